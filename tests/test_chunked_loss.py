@@ -1,0 +1,173 @@
+"""Chunked LM-head loss vs F.cross_entropy(reduction="sum") on the full logits.
+
+Shape legend: t tokens, h hidden, v vocab.
+Tolerances: fp64 rel 1e-10, fp32 rel 1e-5 (summation order differs between chunks and the
+full matmul; both are well above fp32 round-off for these sizes).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ulysses_lc.chunked_loss import (
+    ChunkedLossHead,
+    auto_chunk_rows,
+    chunked_cross_entropy,
+    install_chunked_loss_head,
+)
+from ulysses_lc.constants import IGNORE_INDEX
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+
+
+def _reference(hidden_th, weight_vh, bias_v, labels_t):
+    hidden_th = hidden_th.detach().clone().requires_grad_()
+    weight_vh = weight_vh.detach().clone().requires_grad_()
+    bias_v = None if bias_v is None else bias_v.detach().clone().requires_grad_()
+    loss = F.cross_entropy(F.linear(hidden_th, weight_vh, bias_v), labels_t, reduction="sum")
+    loss.backward()
+    return loss, hidden_th.grad, weight_vh.grad, None if bias_v is None else bias_v.grad
+
+
+def _labels(t, v, generator):
+    labels_t = torch.randint(0, v, (t,), generator=generator)
+    # Many ignored rows, including one whole chunk (rows 8..15 with chunk_rows=8).
+    labels_t[torch.rand(t, generator=generator) < 0.4] = IGNORE_INDEX
+    labels_t[8:16] = IGNORE_INDEX
+    return labels_t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_rows", [8, 5, 1000])
+def test_matches_full_cross_entropy(dtype, with_bias, chunk_rows):
+    g = torch.Generator().manual_seed(0)
+    t, h, v = 45, 16, 37  # 45 rows: with ~40% ignored the valid rows end in an uneven chunk
+    hidden_th = torch.randn(t, h, generator=g, dtype=dtype)
+    weight_vh = torch.randn(v, h, generator=g, dtype=dtype)
+    bias_v = torch.randn(v, generator=g, dtype=dtype) if with_bias else None
+    labels_t = _labels(t, v, g)
+
+    ref_loss, ref_gh, ref_gw, ref_gb = _reference(hidden_th, weight_vh, bias_v, labels_t)
+
+    hidden = hidden_th.clone().requires_grad_()
+    weight = weight_vh.clone().requires_grad_()
+    bias = None if bias_v is None else bias_v.clone().requires_grad_()
+    loss_sum, n_valid = chunked_cross_entropy(hidden, weight, labels_t, bias, chunk_rows=chunk_rows)
+    # A non-unit upstream gradient, as a mean loss would send.
+    (loss_sum * 0.375).backward()
+
+    assert loss_sum.dtype == torch.promote_types(dtype, torch.float32) and n_valid.dtype == torch.int64
+    assert not n_valid.requires_grad
+    assert int(n_valid) == int((labels_t != IGNORE_INDEX).sum())
+    tol = TOL[dtype]
+    torch.testing.assert_close(loss_sum, ref_loss, **tol)
+    torch.testing.assert_close(hidden.grad, ref_gh * 0.375, **tol)
+    torch.testing.assert_close(weight.grad, ref_gw * 0.375, **tol)
+    if with_bias:
+        torch.testing.assert_close(bias.grad, ref_gb * 0.375, **tol)
+    # Ignored rows get exactly zero gradient.
+    assert torch.all(hidden.grad[labels_t == IGNORE_INDEX] == 0)
+
+
+def test_uneven_last_chunk_and_all_ignored():
+    g = torch.Generator().manual_seed(1)
+    t, h, v = 23, 8, 11
+    hidden = torch.randn(t, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    labels_t = torch.randint(0, v, (t,), generator=g)  # 23 valid rows, chunks of 4: last has 3
+    loss_sum, _ = chunked_cross_entropy(hidden, weight, labels_t, chunk_rows=4)
+    loss_sum.backward()
+    ref_loss, ref_gh, ref_gw, _ = _reference(hidden, weight, None, labels_t)
+    torch.testing.assert_close(loss_sum, ref_loss, **TOL[torch.float64])
+    torch.testing.assert_close(hidden.grad, ref_gh, **TOL[torch.float64])
+    torch.testing.assert_close(weight.grad, ref_gw, **TOL[torch.float64])
+
+    hidden.grad = weight.grad = None
+    all_ignored = torch.full((t,), IGNORE_INDEX)
+    loss_sum, n_valid = chunked_cross_entropy(hidden, weight, all_ignored, chunk_rows=4)
+    loss_sum.backward()
+    assert loss_sum.item() == 0.0 and n_valid.item() == 0
+    assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
+
+
+def test_no_grad_and_bad_labels():
+    hidden = torch.randn(6, 4)
+    weight = torch.randn(5, 4)
+    with torch.no_grad():
+        loss_sum, _ = chunked_cross_entropy(hidden, weight, torch.tensor([0, 1, 2, 3, 4, IGNORE_INDEX]))
+    ref = F.cross_entropy(hidden @ weight.T, torch.tensor([0, 1, 2, 3, 4, IGNORE_INDEX]), reduction="sum")
+    torch.testing.assert_close(loss_sum, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="labels must be in"):
+        chunked_cross_entropy(hidden, weight, torch.tensor([0, 1, 2, 3, 5, 0]))
+    with pytest.raises(ValueError, match="flatten"):
+        chunked_cross_entropy(hidden.view(2, 3, 4), weight, torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_auto_chunk_rows_targets_a_gib_of_logits():
+    rows = auto_chunk_rows(151_936)
+    assert rows % 64 == 0 and rows > 256
+    assert abs(rows * 151_936 * 4 - (1 << 30)) < 64 * 151_936 * 4
+    assert auto_chunk_rows(10**9) == 64
+
+
+def test_head_module_logits_and_loss():
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 13, bias=True)
+    head = ChunkedLossHead(linear, chunk_rows=3)
+    assert head.weight is linear.weight and head.bias is linear.bias
+    hidden_bsh = torch.randn(2, 5, 8)
+    torch.testing.assert_close(head(hidden_bsh), linear(hidden_bsh), rtol=0, atol=0)
+    labels_bs = torch.randint(0, 13, (2, 5))
+    labels_bs[0, :2] = IGNORE_INDEX
+    loss_sum, n_valid = head(hidden_bsh, labels_bs)
+    ref = F.cross_entropy(linear(hidden_bsh).reshape(-1, 13), labels_bs.reshape(-1), reduction="sum")
+    torch.testing.assert_close(loss_sum, ref, rtol=1e-5, atol=1e-6)
+    assert int(n_valid) == 8
+
+
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).double()
+
+
+def test_tied_qwen3_every_grad_matches_plain_loss():
+    model = _tiny_qwen3()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    g = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, 128, (2, 17), generator=g)
+    labels_bs = input_ids.clone()
+    labels_bs[0, :6] = IGNORE_INDEX
+
+    # Reference: full logits, shifted, plain cross-entropy (sum).
+    logits = model(input_ids=input_ids).logits
+    ref_loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, 128), labels_bs[:, 1:].reshape(-1), reduction="sum"
+    )
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    undo = install_chunked_loss_head(model, chunk_rows=5)
+    assert isinstance(model.lm_head, ChunkedLossHead)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    hidden_bsh = model.model(input_ids=input_ids).last_hidden_state
+    loss_sum, n_valid = model.lm_head(hidden_bsh[:, :-1], labels_bs[:, 1:])
+    loss_sum.backward()
+    assert int(n_valid) == int((labels_bs[:, 1:] != IGNORE_INDEX).sum())
+    torch.testing.assert_close(loss_sum, ref_loss, **TOL[torch.float64])
+    names = [n for n, _ in model.named_parameters()]
+    assert names == list(ref_grads)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name], rtol=1e-9, atol=1e-11, msg=name)
+
+    undo()
+    assert isinstance(model.lm_head, nn.Linear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight

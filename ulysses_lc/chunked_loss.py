@@ -1,0 +1,240 @@
+"""Cross-entropy of an LM head without ever holding the [tokens x vocab] logits.
+
+Shape legend:
+    t  tokens (batch and sequence flattened; already shifted so row i predicts labels[i])
+    h  hidden size
+    v  vocabulary size
+    c  rows in one chunk (c <= t)
+
+The loss is a sum over rows and each row's softmax runs along its own vocabulary, so rows
+split cleanly: we walk chunks of c rows, and only one [c, v] block of logits exists at a time.
+
+Gradient in forward, not recompute in backward
+----------------------------------------------
+Per chunk the loss head needs three matmuls of 2*c*v*h FLOPs each:
+    logits_cv = hidden_ch @ weight_vh.T        (forward)
+    grad_hidden_ch = dlogits_cv @ weight_vh    (backward)
+    grad_weight_vh += dlogits_cv.T @ hidden_ch (backward)
+Recomputing in backward repeats the first one: 4 matmuls, 8*t*v*h FLOPs. Computing the
+gradients while the logits are live (the chunk's softmax *is* dlogits, up to the one-hot)
+needs 3, 6*t*v*h FLOPs: 25% fewer, and for a 152k vocabulary the LM head is the largest
+matmul of a small model (Qwen3-4B: v*h = 389M against 4 * 36 * h^2 + MLP per layer), so the
+saving is not noise. This is valid because loss_sum enters the rest of the graph linearly:
+whatever scalar grad_output arrives, d(grad_output * loss_sum) = grad_output * d(loss_sum),
+so backward only scales what forward already computed.
+
+Memory cost: recompute would keep hidden_th (and needs weight_vh again in backward); this
+keeps grad_hidden_th instead, the same size and dtype, so the only extra is the fp32
+grad_weight_vh accumulator (v*h*4 bytes, 1.5 GiB for 152k x 2560) held from forward to
+backward. We accumulate it in fp32 because a long sequence is hundreds of chunks and bf16
+accumulation over that many terms loses the small rows' contribution.
+
+When neither hidden nor weight needs a gradient (evaluation) only the first matmul runs.
+
+Rows whose label is IGNORE_INDEX are dropped before the matmuls (the chunks walk the valid
+rows only), so fully ignored stretches such as masked prompts cost nothing.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .constants import IGNORE_INDEX
+
+# fp32 logits bytes per chunk. 1 GiB is ~1.7k rows at v=152k: large enough that each matmul
+# fills an H100/H200 (TRL's 256 rows leave it underused at this vocabulary), small enough that
+# the chunk's transients (bf16 logits, fp32 logits/probabilities, bf16 dlogits: ~2.5x this)
+# stay far below one layer's activations at long sequence.
+_TARGET_CHUNK_LOGITS_BYTES = 1 << 30
+# Row counts are rounded to this multiple so matmul shapes stay tensor-core friendly.
+_ROW_MULTIPLE = 64
+
+
+def auto_chunk_rows(vocab_size: int, target_bytes: int = _TARGET_CHUNK_LOGITS_BYTES) -> int:
+    """Rows per chunk so that one chunk's fp32 logits take about `target_bytes`."""
+    rows = target_bytes // (4 * vocab_size)
+    return max(_ROW_MULTIPLE, rows // _ROW_MULTIPLE * _ROW_MULTIPLE)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of `hidden_th @ weight_vh.T (+ bias_v)` against `labels_t`.
+
+    Forward communicates nothing. It returns (loss_sum scalar in fp32, fp64 for fp64 inputs;
+    n_valid int64 scalar, non-differentiable) and computes the gradients on the spot.
+    Saved for backward (as ctx attributes, on the device of `hidden`): grad_hidden_th in
+    hidden's dtype, grad_weight_vh and grad_bias_v in fp32 (fp64 for fp64 inputs), each for
+    grad_output = 1.
+    Backward communicates nothing and only scales them by grad_output; it can run once.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_th, weight_vh, bias_v, labels_t, chunk_rows):
+        t, h = hidden_th.shape
+        v = weight_vh.shape[0]
+        dtype = hidden_th.dtype
+        # Softmax in fp32 at least; fp64 inputs (tests, numerics checks) stay in fp64.
+        acc_dtype = torch.promote_types(dtype, torch.float32)
+        need_grad_hidden, need_grad_weight, need_grad_bias = ctx.needs_input_grad[:3]
+        need_grad_bias = need_grad_bias and bias_v is not None
+
+        valid_rows = (labels_t != IGNORE_INDEX).nonzero().squeeze(1)
+        labels_valid = labels_t.index_select(0, valid_rows)
+        n_valid = valid_rows.numel()
+        # One host sync for the whole call: a bad label would otherwise index out of range
+        # inside gather (a device-side assert on GPU, far from its cause).
+        if n_valid and bool(((labels_valid < 0) | (labels_valid >= v)).any()):
+            raise ValueError(
+                f"labels must be in [0, {v}) or IGNORE_INDEX={IGNORE_INDEX}; got "
+                f"min={int(labels_valid.min())}, max={int(labels_valid.max())}. Check that the "
+                "tokenizer matches the model and that padding uses IGNORE_INDEX."
+            )
+
+        loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden_th.device)
+        grad_hidden_th = torch.zeros_like(hidden_th) if need_grad_hidden else None
+        grad_weight_vh = (
+            torch.zeros(v, h, dtype=acc_dtype, device=weight_vh.device) if need_grad_weight else None
+        )
+        grad_bias_v = torch.zeros(v, dtype=acc_dtype, device=weight_vh.device) if need_grad_bias else None
+        any_grad = need_grad_hidden or need_grad_weight or need_grad_bias
+
+        for start in range(0, n_valid, chunk_rows):
+            rows_c = valid_rows[start : start + chunk_rows]
+            labels_c = labels_valid[start : start + chunk_rows]
+            hidden_ch = hidden_th.index_select(0, rows_c)
+            logits_cv = F.linear(hidden_ch, weight_vh, bias_v).to(acc_dtype)
+            lse_c = torch.logsumexp(logits_cv, dim=-1)
+            target_logit_c = logits_cv.gather(1, labels_c.unsqueeze(1)).squeeze(1)
+            loss_sum += (lse_c - target_logit_c).sum()
+            if not any_grad:
+                continue
+            # d loss_row / d logits_row = softmax(logits_row) - onehot(label), built in place
+            # in the fp32 logits buffer so the chunk never holds a second [c, v] fp32 block.
+            dlogits_cv = logits_cv.sub_(lse_c.unsqueeze(1)).exp_()
+            dlogits_cv.scatter_add_(
+                1, labels_c.unsqueeze(1), torch.full_like(lse_c, -1.0).unsqueeze(1)
+            )
+            if need_grad_bias:
+                grad_bias_v += dlogits_cv.sum(0)
+            dlogits_lowp_cv = dlogits_cv.to(dtype)
+            del dlogits_cv, logits_cv
+            if need_grad_hidden:
+                grad_hidden_th.index_copy_(0, rows_c, dlogits_lowp_cv @ weight_vh)
+            if need_grad_weight:
+                grad_weight_vh += (dlogits_lowp_cv.t() @ hidden_ch).to(acc_dtype)
+
+        ctx.grad_hidden_th = grad_hidden_th
+        ctx.grad_weight_vh = grad_weight_vh
+        ctx.grad_bias_v = grad_bias_v
+        ctx.weight_dtype = weight_vh.dtype
+        ctx.bias_dtype = None if bias_v is None else bias_v.dtype
+        n_valid_t = torch.tensor(n_valid, dtype=torch.int64, device=hidden_th.device)
+        ctx.mark_non_differentiable(n_valid_t)
+        return loss_sum, n_valid_t
+
+    @staticmethod
+    def backward(ctx, grad_loss_sum, grad_n_valid):
+        if ctx.grad_hidden_th is None and ctx.grad_weight_vh is None and ctx.grad_bias_v is None:
+            if any(ctx.needs_input_grad[:3]):
+                raise RuntimeError(
+                    "ChunkedCrossEntropy.backward ran twice; its gradients are scaled in place "
+                    "and freed, so retain_graph=True over the loss head is not supported."
+                )
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.grad_hidden_th is not None:
+            # In place: the buffer is as large as the hidden states and is not needed again.
+            grad_hidden = ctx.grad_hidden_th.mul_(grad_loss_sum.to(ctx.grad_hidden_th.dtype))
+        if ctx.grad_weight_vh is not None:
+            grad_weight = ctx.grad_weight_vh.mul_(grad_loss_sum).to(ctx.weight_dtype)
+        if ctx.grad_bias_v is not None:
+            grad_bias = ctx.grad_bias_v.mul_(grad_loss_sum).to(ctx.bias_dtype)
+        ctx.grad_hidden_th = ctx.grad_weight_vh = ctx.grad_bias_v = None
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def chunked_cross_entropy(
+    hidden_th: torch.Tensor,
+    weight_vh: torch.Tensor,
+    labels_t: torch.Tensor,
+    bias_v: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (loss_sum fp32 (fp64 for fp64 inputs), n_valid int64) of the LM head over `hidden_th`, chunk by chunk.
+
+    Labels are already shifted; rows labelled IGNORE_INDEX contribute nothing. `chunk_rows`
+    overrides the automatic rows per chunk (about 1 GiB of fp32 logits).
+    """
+    if hidden_th.dim() != 2 or labels_t.dim() != 1 or hidden_th.shape[0] != labels_t.shape[0]:
+        raise ValueError(
+            f"expected hidden [tokens, hidden] and labels [tokens], got {tuple(hidden_th.shape)} and "
+            f"{tuple(labels_t.shape)}; flatten batch and sequence first (hidden.reshape(-1, h), labels.reshape(-1))."
+        )
+    if weight_vh.dim() != 2 or weight_vh.shape[1] != hidden_th.shape[1]:
+        raise ValueError(
+            f"weight must be [vocab, hidden={hidden_th.shape[1]}], got {tuple(weight_vh.shape)}; pass the "
+            "lm_head weight itself (not transposed)."
+        )
+    if chunk_rows is None:
+        chunk_rows = auto_chunk_rows(weight_vh.shape[0])
+    elif chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1 or None (automatic), got {chunk_rows}.")
+    return ChunkedCrossEntropy.apply(hidden_th, weight_vh, bias_v, labels_t.long(), int(chunk_rows))
+
+
+class ChunkedLossHead(nn.Module):
+    """Drop-in LM head: logits without labels, (loss_sum, n_valid) with labels.
+
+    Holds the very Parameter objects of the `nn.Linear` it replaces, so tied input/output
+    embeddings stay tied and ZeRO-3 gathers the weight once in this module's forward
+    pre-hook (and once before its backward), not once per chunk.
+    """
+
+    def __init__(self, lm_head: nn.Linear, chunk_rows: int | None = None):
+        super().__init__()
+        if not isinstance(lm_head, nn.Linear):
+            raise ValueError(
+                f"ChunkedLossHead wraps an nn.Linear LM head, got {type(lm_head).__name__}; models whose "
+                "head is not a plain linear layer (e.g. with logit soft-capping) need their own loss."
+            )
+        self.in_features = lm_head.in_features
+        self.out_features = lm_head.out_features
+        self.weight = lm_head.weight
+        self.bias = lm_head.bias
+        self.chunk_rows = chunk_rows
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None):
+        if labels is None:
+            return F.linear(hidden, self.weight, self.bias)
+        if labels.shape != hidden.shape[:-1]:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}; "
+                "pass labels already shifted to align with hidden."
+            )
+        return chunked_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1), self.bias, self.chunk_rows
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None):
+    """Replace the model's output embeddings by a ChunkedLossHead; return a callable that undoes it."""
+    old_head = model.get_output_embeddings()
+    if isinstance(old_head, ChunkedLossHead):
+        raise ValueError("the model already has a ChunkedLossHead; call the undo returned by the first install.")
+    new_head = ChunkedLossHead(old_head, chunk_rows)
+    model.set_output_embeddings(new_head)
+
+    def undo():
+        model.set_output_embeddings(old_head)
+
+    return undo
+
+
+__all__ = [
+    "ChunkedCrossEntropy",
+    "ChunkedLossHead",
+    "auto_chunk_rows",
+    "chunked_cross_entropy",
+    "install_chunked_loss_head",
+]
