@@ -1,0 +1,72 @@
+"""Run a test body on N gloo ranks in fresh processes and collect what each rank returns.
+
+The body must be a module-level function `fn(rank, world_size, *args)`; it runs after
+`torch.distributed` is initialised with the gloo backend and its return value (picklable)
+comes back as `results[rank]`. A failure on any rank fails the test with that rank's traceback.
+"""
+
+import os
+import pickle
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    # Two CI cores shared by up to four ranks: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Plain pickle bytes: torch's queue pickler would pass tensors as shared-memory handles
+        # that vanish when this process exits.
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:  # noqa: BLE001 - the traceback is the test's report
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size, *args, timeout=600):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    for _ in range(world_size):
+        rank, status, payload = queue.get()
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+            break
+    for p in procs:
+        p.join(timeout=5 if errors else timeout)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,227 @@
+"""Ulysses attention: all-to-all from "slice of the sequence, all heads" to "whole sequence, some heads".
+
+Legend: b batch, s full sequence length, s_local = s / sp (this rank's slice), h query heads,
+h_kv key/value heads, h_local = h / sp (this rank's heads during attention), d head dim.
+
+Transformers calls an attention function with q [b, h, s_local, d] and k, v [b, h_kv, s_local, d]
+(rotary already applied with *global* position ids, see `sharding.py`) and expects [b, s_local, h, d]
+back. Around the kernel we exchange q, k, v to [b, h_local, s, d], run causal attention over the whole
+sequence, and exchange the output back. Ranks of an SP group hold contiguous slices in rank order, so
+after the gather the sequence is in global order and the causal kernel's `is_causal` mask is exactly
+"key position <= query position": causality comes from global positions, never from a dense mask.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .layout import ParallelLayout, check_heads
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, sp: int) -> torch.Tensor:
+    """Split x into sp parts along scatter_dim, send part i to SP rank i, concatenate what arrives along gather_dim."""
+    parts = x.unflatten(scatter_dim, (sp, -1)).movedim(scatter_dim, 0).contiguous()
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=group)
+    # received[i] is rank i's part, i.e. the i-th block along gather_dim.
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """Forward: all-to-all scatter_dim -> gather_dim over the SP group. Backward: the inverse all-to-all
+    on the gradient (gather_dim -> scatter_dim). Saves nothing for backward."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group, sp):
+        ctx.dims, ctx.group, ctx.sp = (scatter_dim, gather_dim), group, sp
+        return _all_to_all(x, scatter_dim, gather_dim, group, sp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.sp), None, None, None, None
+
+
+def seq_to_heads(x_bhsd: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """[b, h, s_local, d] -> [b, h_local, s, d] (differentiable)."""
+    if layout.sp_size == 1:
+        return x_bhsd
+    return _SeqAllToAll.apply(x_bhsd, 1, 2, layout.sp_group, layout.sp_size)
+
+
+def heads_to_seq(x_bhsd: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """[b, h_local, s, d] -> [b, h, s_local, d] (differentiable)."""
+    if layout.sp_size == 1:
+        return x_bhsd
+    return _SeqAllToAll.apply(x_bhsd, 2, 1, layout.sp_group, layout.sp_size)
+
+
+def replicate_kv_heads(kv_bhsd: torch.Tensor, sp_size: int) -> torch.Tensor:
+    """When sp_size > h_kv, repeat each KV head sp_size / h_kv times so every rank receives one.
+
+    Query head i uses KV head i // (h / h_kv); after repeat_interleave rank r receives KV copy r, i.e.
+    original head r // (sp / h_kv), which is the KV head of the query heads rank r holds. Autograd sums
+    the copies' gradients back into the original head.
+    """
+    h_kv = kv_bhsd.shape[1]
+    if h_kv % sp_size == 0:
+        return kv_bhsd
+    return kv_bhsd.repeat_interleave(sp_size // h_kv, dim=1)
+
+
+def _flash_attn_func(kernel: str):
+    try:
+        if kernel == "flash_attention_3":
+            from flash_attn_interface import flash_attn_func
+        else:
+            from flash_attn import flash_attn_func
+    except ImportError as e:
+        raise ValueError(
+            f"kernel={kernel!r} needs flash-attn, which is not installed: `pip install ulysses_lc[flash]` "
+            "(or flash-attn 3 from source), or use kernel='sdpa'."
+        ) from e
+    return flash_attn_func
+
+
+def causal_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str = "sdpa", dropout: float = 0.0):
+    """Causal attention over a whole sequence in global order; returns [b, h, s, d]."""
+    if kernel == "sdpa":
+        gqa = q_bhsd.shape[1] != k_bhsd.shape[1]
+        return F.scaled_dot_product_attention(
+            q_bhsd, k_bhsd, v_bhsd, is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa
+        )
+    flash_attn_func = _flash_attn_func(kernel)
+    out_bshd = flash_attn_func(
+        q_bhsd.transpose(1, 2), k_bhsd.transpose(1, 2), v_bhsd.transpose(1, 2),
+        dropout_p=dropout, softmax_scale=scaling, causal=True,
+    )
+    out_bshd = out_bshd[0] if isinstance(out_bshd, tuple) else out_bshd
+    return out_bshd.transpose(1, 2)
+
+
+class UlyssesAttention:
+    """A transformers attention function running Ulysses sequence parallelism over `layout`'s SP group.
+
+    Register it under its own name (`register()`), then point a model at it (`apply(model)`); both are
+    undone by `unregister()` / the returned undo callable. Another implementation's entry is never
+    overwritten.
+    """
+
+    def __init__(self, layout: ParallelLayout, kernel: str = "sdpa", name: str | None = None):
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; pick one of {KERNELS}.")
+        if kernel != "sdpa":
+            _flash_attn_func(kernel)  # fail now, not at the first layer
+        self.layout = layout
+        self.kernel = kernel
+        self.name = name or f"ulysses_lc_{kernel}"
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if attention_mask is not None:
+            raise ValueError(
+                "Ulysses attention computes causality from global positions and cannot apply an attention_mask "
+                "(padding or packed documents would be silently ignored by the causal kernel). Pass "
+                "attention_mask=None, pad at the end and mark padded labels with IGNORE_INDEX (see shard_batch)."
+            )
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError(
+                f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention "
+                f"(window {kwargs['sliding_window']}), which Ulysses attention does not express; use a model "
+                "whose layers are all full attention, or sp_size=1 with the model's own attention."
+            )
+        sp = self.layout.sp_size
+        key = replicate_kv_heads(key, sp)
+        value = replicate_kv_heads(value, sp)
+        q = seq_to_heads(query, self.layout)
+        k = seq_to_heads(key, self.layout)
+        v = seq_to_heads(value, self.layout)
+        out = causal_attention(q, k, v, scaling, self.kernel, dropout if module.training else 0.0)
+        out_bshd = heads_to_seq(out, self.layout).transpose(1, 2)
+        return out_bshd, None
+
+    # -- registration -------------------------------------------------------------------------
+    def register(self) -> "UlyssesAttention":
+        from transformers import AttentionInterface
+
+        current = AttentionInterface._global_mapping.get(self.name)
+        if current is not None and current is not self:
+            raise ValueError(
+                f"an attention implementation named {self.name!r} is already registered by someone else; "
+                "pass another name=... to UlyssesAttention."
+            )
+        AttentionInterface.register(self.name, self)
+        return self
+
+    def unregister(self) -> None:
+        from transformers import AttentionInterface
+
+        if AttentionInterface._global_mapping.get(self.name) is self:
+            del AttentionInterface._global_mapping[self.name]
+
+    def apply(self, model):
+        """Check the model and switch its attention to this implementation; returns an undo callable."""
+        check_model_for_ulysses(model.config, self.layout.sp_size)
+        self.register()
+        previous = model.config._attn_implementation
+        _set_attn(model, self.name)
+        hook = model.base_model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
+
+        def undo():
+            hook.remove()
+            _set_attn(model, previous)
+
+        return undo
+
+
+def _require_position_ids(module, args, kwargs):
+    # Without them every rank would number its slice from 0: wrong rotary phases, silently.
+    if kwargs.get("position_ids") is None and len(args) < 3:
+        raise ValueError(
+            "position_ids are required under sequence parallelism: each rank holds a slice of the sequence and "
+            "needs its global positions; build the batch with ulysses_lc.shard_batch()."
+        )
+
+
+def _set_attn(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # pragma: no cover - transformers without the public setter
+        model.config._attn_implementation = name
+
+
+# Layer types whose attention is not plain full causal attention over the whole sequence.
+_LOCAL_LAYER_TYPES = {"sliding_attention", "chunked_attention", "linear_attention"}
+
+
+def check_model_for_ulysses(config, sp_size: int) -> None:
+    """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if sp_size > 1 and cfg._attn_implementation == "eager":
+        raise ValueError(
+            "the model was loaded with attn_implementation='eager', whose dense masks cannot be split across "
+            "ranks; load it with attn_implementation='sdpa' (ulysses_lc then switches it to Ulysses attention)."
+        )
+    layer_types = set(getattr(cfg, "layer_types", None) or [])
+    local = sorted(layer_types & _LOCAL_LAYER_TYPES) or sorted(
+        t for t in layer_types if t not in ("full_attention", "attention")
+    )
+    uses_window = getattr(cfg, "use_sliding_window", True) and getattr(cfg, "sliding_window", None)
+    if not layer_types and uses_window:
+        local = ["sliding_attention"]
+    if getattr(cfg, "attention_chunk_size", None):
+        local = sorted(set(local) | {"chunked_attention"})
+    if local and sp_size > 1:
+        raise ValueError(
+            f"{cfg.model_type} has layers of type {local}, which Ulysses sequence parallelism would silently "
+            "train as full causal attention; use a full-attention model (Qwen3, Qwen3-MoE, Llama) or sp_size=1."
+        )
+    heads = cfg.num_attention_heads
+    check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, sp_size)

@@ -1,0 +1,50 @@
+"""Loss reduction across the SP group: the mean over every valid token of the whole sequence.
+
+Each rank holds the summed loss of its slice's tokens and their count. The mean of the sequence is
+sum_r(loss_sum_r) / sum_r(n_valid_r): a mean of per-rank means would weight a rank holding few valid
+tokens (padding, ignored prompt) as much as a full one, and an average of losses over ranks would scale
+an eval loss by nothing or by sp_size depending on how it is summed. Training and evaluation share
+this one path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .layout import ParallelLayout
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: all-reduce (sum) over the SP group. Backward: all-reduce (sum) of the incoming gradient,
+    so each rank's local sum receives the gradient of every rank's (identical) loss: sp_size times the
+    per-rank share, which ZeRO's average over sp_size * dp_size ranks turns back into the exact sum over
+    the SP group (see layout.py). Saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: ParallelLayout):
+    """Mean loss over the valid tokens of the whole sequence, identical on every rank of the SP group.
+
+    loss_sum: differentiable fp32 scalar, this rank's summed token losses.
+    n_valid: integer scalar, this rank's count of labels != IGNORE_INDEX.
+    Returns (loss, n_valid_total). A sequence with no valid label gives loss 0 with zero gradients.
+    No host sync: counts stay on the device.
+    """
+    n_total = n_valid.detach().to(torch.float32).clone()
+    if layout.sp_size > 1:
+        dist.all_reduce(n_total, group=layout.sp_group)
+        loss_sum = _SumOverGroup.apply(loss_sum, layout.sp_group)
+    return loss_sum / n_total.clamp(min=1.0), n_total

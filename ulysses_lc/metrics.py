@@ -1,0 +1,318 @@
+"""Throughput accounting (FLOPs per step, TFLOPS, MFU) and per-step logging for the training loop.
+
+Symbols: T tokens in the sequence (one causal stream), n_layers, h query heads, d head_dim,
+D hidden size. "Matmul params" N are the weights that multiply activations once per token:
+attention projections, MLP (for MoE: the router and the active experts only) and the LM head.
+The input embedding is a lookup, not a matmul, and norms/biases are negligible; both are left out.
+"""
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlopsPerStep:
+    """FLOPs of one training step on one sequence of `tokens` tokens (all ranks together).
+
+    model: what the step must compute (MFU counts these): dense 6*N*T + causal attention
+        fwd 2*T^2*h*d*n_layers, bwd twice that.
+    hardware: model + the activation-checkpoint recompute of each decoder layer's forward
+        (layer matmuls 2*N_layers*T + attention fwd); equals model when recompute is off.
+    effective: the ALST/Megatron "effective TFLOPS" convention, for comparison with the
+        published ALST figures: 4.5 * 2*T^2*h*d*n_layers + 8 * N * T.
+    attention_share: share of attention in `model`.
+    """
+
+    tokens: int
+    matmul_params: int  # N, including the LM head
+    layer_matmul_params: int  # N without the LM head: what checkpoint recompute runs again
+    dense: float
+    attention: float
+    model: float
+    hardware: float
+    effective: float
+
+    @property
+    def attention_share(self) -> float:
+        return self.attention / self.model
+
+
+def _text_config(config):
+    # Multimodal configs nest the language model's config; text-only ones return themselves.
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _is_moe_layer(cfg, layer: int) -> bool:
+    # Qwen2/3-MoE rule: a layer is sparse unless listed in mlp_only_layers, every
+    # decoder_sparse_step-th layer, when the model has experts at all.
+    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0
+    if num_experts <= 0 or layer in (getattr(cfg, "mlp_only_layers", None) or []):
+        return False
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (layer + 1) % step == 0
+
+
+def matmul_params(config) -> tuple[int, int]:
+    """(N_layers, N_lm_head): matmul weights used per token in the decoder layers and in the LM head.
+
+    Per layer: q and o projections D*h*d each, k and v D*kv*d each; dense MLP 3*D*intermediate
+    (gate, up, down); MoE MLP: router D*num_experts + num_experts_per_tok * 3*D*moe_intermediate
+    (+ 3*D*shared_expert_intermediate_size where the config has a shared expert).
+    """
+    cfg = _text_config(config)
+    hidden = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    dense_mlp = 3 * hidden * cfg.intermediate_size
+    per_layer = []
+    for layer in range(cfg.num_hidden_layers):
+        if _is_moe_layer(cfg, layer):
+            num_experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+            mlp = hidden * num_experts + cfg.num_experts_per_tok * 3 * hidden * cfg.moe_intermediate_size
+            shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
+            mlp += 3 * hidden * shared
+        else:
+            mlp = dense_mlp
+        per_layer.append(attn + mlp)
+    # Tied or not, the LM head is a D x vocab matmul on every position.
+    return sum(per_layer), hidden * cfg.vocab_size
+
+
+def model_flops_per_step(config, seq_len: int, *, recompute: bool = True) -> FlopsPerStep:
+    """FLOPs of one step on one causal sequence of `seq_len` tokens (see `FlopsPerStep`).
+
+    dense     = 6 * N * T                       (fwd 2NT, bwd 4NT; N includes the LM head)
+    attention = 3 * 2 * T^2 * h * d * n_layers  (fwd: QK^T and PV, 2 FLOPs per MAC each, over the
+                                                 causal half T^2/2; bwd 2x fwd)
+    model     = dense + attention
+    hardware  = model + [recompute] (2 * N_layers * T + 2 * T^2 * h * d * n_layers)
+    effective = 4.5 * 2 * T^2 * h * d * n_layers + 8 * N * T   (ALST/Megatron convention)
+    h counts query heads (GQA shares K/V but every query head does its own QK^T and PV).
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    cfg = _text_config(config)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    n_layers_params, n_head_params = matmul_params(cfg)
+    n_params = n_layers_params + n_head_params
+    tokens = seq_len
+    attn_fwd = 2.0 * tokens * tokens * heads * head_dim * cfg.num_hidden_layers
+    dense = 6.0 * n_params * tokens
+    attention = 3.0 * attn_fwd
+    model = dense + attention
+    hardware = model + ((2.0 * n_layers_params * tokens + attn_fwd) if recompute else 0.0)
+    effective = 4.5 * attn_fwd + 8.0 * n_params * tokens
+    return FlopsPerStep(tokens, n_params, n_layers_params, dense, attention, model, hardware, effective)
+
+
+def mfu(tflops_per_gpu: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation as a fraction (0.659 for 65.9%); None without a peak."""
+    if not peak_tflops:
+        return None
+    return tflops_per_gpu / peak_tflops
+
+
+def measure_peak_bf16_tflops(device=None, n: int = 8192, iters: int = 20) -> float | None:
+    """Measured bf16 matmul TFLOP/s of an n^3 product on a CUDA device (None on CPU).
+
+    The ceiling MFU is reported against: a measured peak (778 on an H200) is reachable,
+    unlike the datasheet's dense figure.
+    """
+    device = torch.device(device) if device is not None else None
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):  # cuBLAS heuristics and clocks settle in the first calls
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000.0
+    del a, b
+    return 2.0 * n**3 * iters / seconds / 1e12
+
+
+def host_memory_gb() -> tuple[float, float]:
+    """(this process + its children RSS, node-wide used memory), in GB (1e9 bytes).
+
+    The RSS sum counts pinned host buffers of activation/optimizer offload that this rank
+    touched, and double-counts pages shared with children; node-wide "used" covers all local
+    ranks, which is what runs out when every rank offloads to host.
+    """
+    import psutil
+
+    proc = psutil.Process()
+    rss = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        try:
+            rss += child.memory_info().rss
+        except psutil.Error:  # a child may exit between listing and reading
+            pass
+    return rss / 1e9, psutil.virtual_memory().used / 1e9
+
+
+class StepLogger:
+    """Per-step log: one human line (rank 0), one JSON line in `metrics.jsonl`, a tqdm bar, TensorBoard.
+
+    Only `rank == 0` writes anything; other ranks may call `log` freely. Values are Python
+    floats: the caller syncs devices once per step and passes the results.
+    tokens_per_step: tokens of all sequences in one optimizer step (seq_len * data-parallel size).
+    flops: FLOPs of the whole step (`model_flops_per_step` times the number of sequences); gives
+        TFLOPS/GPU (model FLOPs / step time / world_size), MFU, and the hardware and ALST figures.
+    peak_tflops: per-GPU ceiling for MFU, e.g. `measure_peak_bf16_tflops()`.
+    GPU memory is `torch.cuda.max_memory_allocated` of this rank since the start (or since the
+    caller last reset it); pass `gpu_mem_gb` to `log` to report another figure (e.g. max over ranks).
+    """
+
+    def __init__(
+        self,
+        output_dir,
+        total_steps: int,
+        *,
+        tokens_per_step: int,
+        world_size: int = 1,
+        flops: FlopsPerStep | None = None,
+        peak_tflops: float | None = None,
+        rank: int = 0,
+        start_step: int = 0,
+        tensorboard: bool = False,
+        progress: bool = True,
+        stream=None,
+    ):
+        self.enabled = rank == 0
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.world_size = world_size
+        self.flops = flops
+        self.peak_tflops = peak_tflops
+        self.stream = stream if stream is not None else sys.stdout
+        self.output_dir = Path(output_dir)
+        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self._bar = None
+        self._tb = None
+        if not self.enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ValueError(
+                    f"tensorboard logging was asked for but cannot be imported ({e}); "
+                    "pip install tensorboard, or turn the flag off"
+                ) from e
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", desc="training", file=self.stream)
+
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float,
+        step_time_s: float,
+        grad_norm: float | None = None,
+        lr: float | None = None,
+        gpu_mem_gb: float | None = None,
+        **extra: float,
+    ) -> dict | None:
+        """Record step `step` (1-based, as printed); returns the JSON record on rank 0, else None."""
+        if not self.enabled:
+            return None
+        if gpu_mem_gb is None and torch.cuda.is_available():
+            gpu_mem_gb = torch.cuda.max_memory_allocated() / 1e9
+        host_rss_gb, host_used_gb = host_memory_gb()
+        record = {
+            "step": step,
+            "total_steps": self.total_steps,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": self.tokens_per_step,
+            "step_time_s": step_time_s,
+            "tokens_per_s": self.tokens_per_step / step_time_s,
+            "tflops_per_gpu": None,
+            "hardware_tflops_per_gpu": None,
+            "effective_tflops_per_gpu": None,
+            "mfu": None,
+            "gpu_mem_gb": gpu_mem_gb,
+            "host_rss_gb": host_rss_gb,
+            "host_used_gb": host_used_gb,
+            "time": time.time(),
+            **extra,
+        }
+        if self.flops is not None:
+            per_gpu = step_time_s * self.world_size * 1e12
+            record["tflops_per_gpu"] = self.flops.model / per_gpu
+            record["hardware_tflops_per_gpu"] = self.flops.hardware / per_gpu
+            record["effective_tflops_per_gpu"] = self.flops.effective / per_gpu
+            record["mfu"] = mfu(record["tflops_per_gpu"], self.peak_tflops)
+
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        line = self.format_line(record)
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+            self._bar.update(1)
+        else:
+            print(line, file=self.stream, flush=True)
+        if self._tb is not None:
+            for name, value in record.items():
+                if name not in ("step", "total_steps", "time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"train/{name}", value, step)
+            self._tb.flush()
+        return record
+
+    @staticmethod
+    def format_line(r: dict) -> str:
+        """The human line, e.g. `step 3/10 | loss 4.3110 | ... | MFU 65.9% | gpu 56.2 GB | host 12.0 GB (node 120.4 GB)`."""
+        parts = [f"step {r['step']}/{r['total_steps']}", f"loss {r['loss']:.4f}"]
+        if r["grad_norm"] is not None and math.isfinite(r["grad_norm"]):
+            parts.append(f"grad_norm {r['grad_norm']:.2f}")
+        elif r["grad_norm"] is not None:
+            parts.append(f"grad_norm {r['grad_norm']}")
+        if r["lr"] is not None:
+            parts.append(f"lr {r['lr']:.1e}")
+        parts += [f"tokens {r['tokens']:,}", f"{r['step_time_s']:.1f} s", f"{r['tokens_per_s']:,.0f} tok/s"]
+        if r["tflops_per_gpu"] is not None:
+            parts.append(f"{r['tflops_per_gpu']:.1f} TFLOPS/GPU (ALST conv. {r['effective_tflops_per_gpu']:.1f})")
+        if r["mfu"] is not None:
+            parts.append(f"MFU {100 * r['mfu']:.1f}%")
+        if r["gpu_mem_gb"] is not None:
+            parts.append(f"gpu {r['gpu_mem_gb']:.1f} GB")
+        parts.append(f"host {r['host_rss_gb']:.1f} GB (node {r['host_used_gb']:.1f} GB)")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

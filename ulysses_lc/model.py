@@ -1,0 +1,76 @@
+"""The training model: a Hugging Face causal LM whose forward returns the SP-reduced loss.
+
+`SequenceParallelCausalLM` is what goes into `deepspeed.initialize`: its forward takes a ShardedBatch's
+tensors, runs the decoder (with Ulysses attention when sp_size > 1), and computes the loss from hidden
+states, so the [tokens x vocab] logits are never built when the chunked loss head is installed. Running
+the loss inside the engine's forward keeps every ZeRO-3 hook (parameter gather before use, release after,
+re-gather before backward) in charge of the LM head as of any other layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import UlyssesAttention, check_model_for_ulysses
+from .constants import IGNORE_INDEX
+from .layout import ParallelLayout
+from .loss import sp_mean_loss
+
+
+def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
+    """(summed fp32 cross-entropy, valid-label count) from full logits; labels already shifted."""
+    loss_sum = F.cross_entropy(
+        logits_bsv.float().flatten(0, 1), labels_bs.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss_sum, (labels_bs != IGNORE_INDEX).sum()
+
+
+class SequenceParallelCausalLM(nn.Module):
+    """Wraps `model` (a transformers *ForCausalLM) for sequence-parallel training over `layout`.
+
+    forward(input_ids, position_ids, labels) -> loss: mean over the valid tokens of the whole sequence
+    (all SP ranks), identical on each of them; `last_num_tokens` holds the valid-token count (a device
+    tensor, read it after the step). The wrapped model stays a normal HF model (`.model`): save or
+    export it as usual.
+    """
+
+    def __init__(self, model: nn.Module, layout: ParallelLayout, kernel: str = "sdpa"):
+        super().__init__()
+        check_model_for_ulysses(model.config, layout.sp_size)
+        self.model = model
+        self.layout = layout
+        self.last_num_tokens = None
+        self._undo = []
+        if layout.sp_size > 1:
+            self.attention = UlyssesAttention(layout, kernel=kernel)
+            self._undo.append(self.attention.apply(model))
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        if position_ids is None and self.layout.sp_size > 1:
+            raise ValueError(
+                "position_ids are required under sequence parallelism: each rank holds a slice of the sequence "
+                "and needs its global positions; build the batch with ulysses_lc.shard_batch()."
+            )
+        if labels is None:
+            raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
+        hidden_bsh = self.model.base_model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        head = self.model.get_output_embeddings()
+        if getattr(head, "computes_loss", False):
+            loss_sum, n_valid = head(hidden_bsh, labels)
+        else:
+            loss_sum, n_valid = plain_loss_sum(head(hidden_bsh), labels)
+        loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout)
+        return loss
+
+    def undo(self) -> None:
+        """Give the wrapped model back as it was (attention implementation and any installed lever)."""
+        while self._undo:
+            self._undo.pop()()

@@ -1,0 +1,109 @@
+"""Batch sharding: one long sequence -> this rank's slice, with labels shifted before slicing.
+
+Legend: b batch, s full sequence length, s_pad = s rounded up to a multiple of sp, s_local = s_pad / sp.
+
+The order matters. Labels are shifted over the *whole* sequence first (token t predicts token t+1), so
+the label of the last token of rank r's slice is the first token of rank r+1's slice: nothing is lost at
+shard borders. Then the sequence is padded at the end to a multiple of sp (padding has IGNORE_INDEX
+labels and, being last, is never attended to by a real token under the causal kernel), and each rank
+takes its contiguous slice with its *global* position ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .constants import IGNORE_INDEX
+from .layout import ParallelLayout
+
+
+@dataclass
+class ShardedBatch:
+    """This rank's slice of a batch. `labels` are already shifted: do not shift them again."""
+
+    input_ids: torch.Tensor  # [b, s_local]
+    labels: torch.Tensor  # [b, s_local], shifted, IGNORE_INDEX where nothing is predicted
+    position_ids: torch.Tensor  # [b, s_local], global positions
+    seq_len: int  # s, before padding
+    padded_len: int  # s_pad
+
+    def to(self, device) -> "ShardedBatch":
+        return ShardedBatch(
+            self.input_ids.to(device, non_blocking=True),
+            self.labels.to(device, non_blocking=True),
+            self.position_ids.to(device, non_blocking=True),
+            self.seq_len,
+            self.padded_len,
+        )
+
+    def as_kwargs(self) -> dict:
+        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+
+
+def shift_labels(labels_bs: torch.Tensor) -> torch.Tensor:
+    """labels[:, t] <- labels[:, t+1]; the last position predicts nothing."""
+    ignore = torch.full_like(labels_bs[:, :1], IGNORE_INDEX)
+    return torch.cat([labels_bs[:, 1:], ignore], dim=1)
+
+
+def _check_positions(position_ids_bs: torch.Tensor) -> None:
+    steps = position_ids_bs[:, 1:] - position_ids_bs[:, :-1]
+    if steps.numel() and not bool((steps == 1).all()):
+        raise ValueError(
+            "position_ids are not one contiguous run per sequence (packed documents or gaps): the causal kernel "
+            "would let packed documents attend to each other. Join documents into one causal stream (EOS between "
+            "them, positions 0..s-1), or train them as separate sequences."
+        )
+
+
+def shard_batch(
+    input_ids: torch.Tensor,
+    layout: ParallelLayout,
+    labels: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    pad_token_id: int = 0,
+) -> ShardedBatch:
+    """Shift, pad and slice one batch of full sequences for this rank of the SP group.
+
+    input_ids: [b, s] or [s], the whole sequence (every rank of the SP group passes the same one).
+    labels: unshifted, in the Hugging Face convention (defaults to input_ids); IGNORE_INDEX is kept.
+    position_ids: global positions, one contiguous run per row (default 0..s-1).
+    Call on CPU tensors: the checks read values, which on a GPU would be a host sync.
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq] or [seq], got shape {tuple(input_ids.shape)}.")
+    b, s = input_ids.shape
+    if s < 2:
+        raise ValueError(f"a sequence of {s} token(s) has nothing to predict; pass at least 2 tokens.")
+    labels = input_ids if labels is None else labels.reshape(b, -1)
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}.")
+    if position_ids is None:
+        position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+    else:
+        position_ids = position_ids.reshape(-1, s).expand(b, s)
+        _check_positions(position_ids)
+
+    sp = layout.sp_size
+    s_pad = -(-s // sp) * sp
+    pad = s_pad - s
+    labels = shift_labels(labels)
+    if pad:
+        input_ids = torch.cat([input_ids, input_ids.new_full((b, pad), pad_token_id)], dim=1)
+        labels = torch.cat([labels, labels.new_full((b, pad), IGNORE_INDEX)], dim=1)
+        tail = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)
+        position_ids = torch.cat([position_ids, tail], dim=1)
+
+    s_local = s_pad // sp
+    rows = slice(layout.sp_rank * s_local, (layout.sp_rank + 1) * s_local)
+    return ShardedBatch(
+        input_ids[:, rows].contiguous(),
+        labels[:, rows].contiguous(),
+        position_ids[:, rows].contiguous(),
+        seq_len=s,
+        padded_len=s_pad,
+    )

@@ -1,0 +1,200 @@
+"""Run each decoder layer's MLP over tiles of the sequence so its wide intermediate never exists whole.
+
+Shape legend:
+    b  batch
+    s  sequence (local to this rank under sequence parallelism)
+    h  hidden size
+    i  MLP intermediate width per token (for MoE: experts per token x expert width)
+    t  tokens in one tile (s split into `num_tiles` tiles, the last possibly shorter)
+
+Why: at long sequence the dense MLP builds four [b, s, i] tensors (gate, act(gate), up, their
+product) and keeps them for backward; with i = 3.8 h (Qwen3-4B) that is ~15x the layer input.
+An MLP acts on each token on its own, so computing it tile by tile along s is exact. That also
+holds for a sparse MoE block: routing is per token (top-k over that token's router logits), so
+a token's output does not depend on which other tokens share its tile.
+
+Tile rule: tiles = ceil(i / h), capped at s. Then one tile's intermediate [b, s/tiles, i] is no
+larger than the layer input [b, s, h] itself, which the layer holds anyway, so the MLP never
+sets the layer's peak; more tiles would only shrink launch sizes. It does not depend on s, so
+all ranks agree on it without a collective.
+
+ZeRO-3: each TiledMLP is marked a ZeRO-3 "leaf" module, so DeepSpeed gathers all of the MLP's
+parameters once in the wrapper's forward pre-hook (and once before its backward) and does not
+register hooks on the inner Linear layers. `deepspeed.zero.GatheredParameters` around the tile
+loop is not enough: the inner modules' own post-forward hooks would release the weights after
+every tile and the next tile would gather them again. In backward each parameter is marked
+`ds_grad_is_ready = False` until the last tile, so ZeRO-3 reduces its gradient once per layer
+rather than once per tile.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+
+def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
+    """Tiles so that one tile's [t, intermediate] is no larger than the layer input [s, hidden]."""
+    return max(1, min(seq_len, math.ceil(intermediate_size / hidden_size)))
+
+
+def _tile_bounds(seq_len: int, num_tiles: int) -> list[tuple[int, int]]:
+    step = math.ceil(seq_len / num_tiles)
+    return [(start, min(start + step, seq_len)) for start in range(0, seq_len, step)]
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """y_bsh = mlp(x_bsh), computed tile by tile along s.
+
+    Forward communicates nothing and runs under no_grad, so no tile's intermediates outlive it;
+    the output is preallocated and filled tile by tile.
+    Saved for backward: only x_bsh (through save_for_backward, so activation checkpointing and
+    offload hooks see it), on x's device. The `params` inputs are passed only so that autograd
+    calls backward when a parameter, but not x, needs a gradient; nothing is saved for them.
+    Backward communicates nothing itself: it recomputes each tile under enable_grad and runs
+    autograd through it, which accumulates every parameter's .grad across tiles and writes the
+    tile's input gradient into a preallocated grad_x_bsh.
+    """
+
+    @staticmethod
+    def forward(ctx, mlp: Callable, x_bsh: torch.Tensor, num_tiles: int, *params: torch.Tensor):
+        ctx.mlp = mlp
+        ctx.num_tiles = num_tiles
+        ctx.params = params
+        ctx.save_for_backward(x_bsh)
+        y_bsh = None
+        for start, end in _tile_bounds(x_bsh.shape[1], num_tiles):
+            # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * t, h].
+            y_bth = mlp(x_bsh[:, start:end].contiguous())
+            if y_bsh is None:
+                y_bsh = y_bth.new_empty((x_bsh.shape[0], x_bsh.shape[1], *y_bth.shape[2:]))
+            y_bsh[:, start:end] = y_bth
+        return y_bsh
+
+    @staticmethod
+    def backward(ctx, grad_y_bsh):
+        (x_bsh,) = ctx.saved_tensors
+        need_grad_x = ctx.needs_input_grad[1]
+        grad_x_bsh = torch.empty_like(x_bsh) if need_grad_x else None
+        bounds = _tile_bounds(x_bsh.shape[1], ctx.num_tiles)
+        zero3_params = [p for p in ctx.params if hasattr(p, "ds_id")]
+        for tile, (start, end) in enumerate(bounds):
+            # ZeRO-3 reduces a gradient as soon as its hook fires unless told to wait.
+            for param in zero3_params:
+                param.ds_grad_is_ready = tile == len(bounds) - 1
+            x_bth = x_bsh[:, start:end].detach().contiguous().requires_grad_(need_grad_x)
+            with torch.enable_grad():
+                y_bth = ctx.mlp(x_bth)
+            if y_bth.requires_grad:
+                torch.autograd.backward(y_bth, grad_y_bsh[:, start:end])
+            if need_grad_x:
+                grad_x_bsh[:, start:end] = x_bth.grad if x_bth.grad is not None else 0
+        return (None, grad_x_bsh, None) + (None,) * len(ctx.params)
+
+
+class TiledMLP(nn.Module):
+    """Wraps a decoder layer's MLP (kept as `.mlp`) and runs it tile by tile along the sequence.
+
+    `intermediate_size` is the per-token intermediate width that sets the automatic tile count;
+    `num_tiles` overrides it. state_dict keys are those of the wrapped MLP, so checkpoints saved
+    with the wrapper installed load into the plain model and back.
+    """
+
+    def __init__(self, mlp: nn.Module, intermediate_size: int, num_tiles: int | None = None):
+        super().__init__()
+        if num_tiles is not None and num_tiles < 1:
+            raise ValueError(f"num_tiles must be >= 1 or None (automatic), got {num_tiles}.")
+        self.mlp = mlp
+        self.intermediate_size = intermediate_size
+        self.num_tiles = num_tiles
+        # Read by DeepSpeed ZeRO-3 when it registers hooks (see the module docstring).
+        self._z3_leaf = True
+        self.register_state_dict_post_hook(_drop_wrapper_prefix)
+        self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        if x_bsh.dim() != 3:
+            raise ValueError(f"TiledMLP expects hidden states [batch, seq, hidden], got shape {tuple(x_bsh.shape)}.")
+        seq_len, hidden_size = x_bsh.shape[1], x_bsh.shape[2]
+        num_tiles = self.num_tiles or auto_num_tiles(seq_len, hidden_size, self.intermediate_size)
+        num_tiles = min(num_tiles, seq_len)
+        if num_tiles <= 1:
+            return self.mlp(x_bsh)
+        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        return TiledMLPFunction.apply(self.mlp, x_bsh, num_tiles, *params)
+
+    def extra_repr(self) -> str:
+        return f"intermediate_size={self.intermediate_size}, num_tiles={self.num_tiles or 'auto'}"
+
+
+def _drop_wrapper_prefix(module, state_dict, prefix, local_metadata):
+    inner = prefix + "mlp."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _add_wrapper_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    inner = prefix + "mlp."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} has no `model.layers` ModuleList; tiled MLP supports decoder-only "
+            "transformers models laid out like Llama/Qwen3 (model.model.layers[i].mlp)."
+        )
+    return layers
+
+
+def _mlp_width(mlp: nn.Module, config) -> int:
+    """Per-token intermediate width of a dense MLP or a sparse MoE block."""
+    width = getattr(mlp, "intermediate_size", None)
+    if isinstance(width, int):
+        return width
+    experts_per_token = getattr(config, "num_experts_per_tok", None)
+    expert_width = getattr(config, "moe_intermediate_size", None)
+    if experts_per_token and expert_width:
+        return experts_per_token * expert_width + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    return config.intermediate_size
+
+
+def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Callable[[], None]:
+    """Wrap every decoder layer's `.mlp` in a TiledMLP; return a callable that restores them.
+
+    Call it before `deepspeed.initialize`: ZeRO-3 registers its gather hooks then, and needs to
+    see the TiledMLP wrappers as leaf modules.
+    """
+    layers = _decoder_layers(model)
+    config = model.config
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "config.output_router_logits=True: the router auxiliary loss needs the router logits with their "
+            "graph, which the tiled forward (run under no_grad) does not keep. Set output_router_logits=False "
+            "or do not tile this MoE model's MLPs."
+        )
+    if any(hasattr(layer, "ds_id") for layer in layers):
+        raise ValueError(
+            "the model is already wrapped by deepspeed.initialize; call install_tiled_mlp before it so ZeRO-3 "
+            "registers the TiledMLP wrappers as leaf modules (one weight gather per layer, not per tile)."
+        )
+    originals = []
+    for layer in layers:
+        mlp = layer.mlp
+        if isinstance(mlp, TiledMLP):
+            raise ValueError("tiled MLP is already installed; call the undo returned by the first install.")
+        originals.append(mlp)
+        layer.mlp = TiledMLP(mlp, _mlp_width(mlp, config), num_tiles)
+
+    def undo():
+        for layer, mlp in zip(layers, originals):
+            layer.mlp = mlp
+
+    return undo
+
+
+__all__ = ["TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp"]
