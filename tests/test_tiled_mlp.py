@@ -1,0 +1,136 @@
+"""Tiled MLP vs the plain MLP: outputs, input gradient and every parameter gradient.
+
+Shape legend: b batch, s sequence, h hidden.
+Tolerance: fp32 rtol 1e-5 / atol 1e-6 (tiling changes only the matmul row blocking, and
+parameter gradients are summed over tiles instead of in one matmul); fp64 rtol 1e-12.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ulysses_lc.tiled_mlp import TiledMLP, auto_num_tiles, install_tiled_mlp
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def _qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    kwargs = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, attn_implementation="sdpa",
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def _qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        decoder_sparse_step=1, mlp_only_layers=[], attn_implementation="sdpa",
+    )
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("num_tiles,seq_len", [(3, 10), (4, 8), (7, 5)])
+def test_tiled_dense_mlp_matches_plain(num_tiles, seq_len):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    torch.manual_seed(0)
+    mlp = Qwen3MLP(_qwen3_config())
+    x_bsh = torch.randn(2, seq_len, 32, requires_grad=True)
+    grad_y_bsh = torch.randn(2, seq_len, 32)
+
+    y_ref = mlp(x_bsh)
+    y_ref.backward(grad_y_bsh)
+    ref_x_grad, ref_grads = x_bsh.grad.clone(), _grads(mlp)
+    mlp.zero_grad(set_to_none=True)
+    x_bsh.grad = None
+
+    tiled = TiledMLP(mlp, intermediate_size=64, num_tiles=num_tiles)
+    y = tiled(x_bsh)
+    y.backward(grad_y_bsh)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    torch.testing.assert_close(x_bsh.grad, ref_x_grad, **FP32)
+    assert set(_grads(mlp)) == set(ref_grads) == {n for n, _ in mlp.named_parameters()}
+    for name, grad in _grads(mlp).items():
+        torch.testing.assert_close(grad, ref_grads[name], **FP32, msg=name)
+
+
+def test_params_only_need_grad_and_frozen_input():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    torch.manual_seed(0)
+    mlp = Qwen3MLP(_qwen3_config()).double()
+    x_bsh = torch.randn(1, 9, 32, dtype=torch.float64)  # no grad on x: params must still get theirs
+    mlp(x_bsh).pow(2).sum().backward()
+    ref_grads = _grads(mlp)
+    mlp.zero_grad(set_to_none=True)
+    TiledMLP(mlp, 64, num_tiles=4)(x_bsh).pow(2).sum().backward()
+    for name, grad in _grads(mlp).items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_auto_num_tiles_rule():
+    # Qwen3-4B: intermediate 9728 / hidden 2560 -> 4 tiles, each tile's intermediate <= x.
+    assert auto_num_tiles(262_144, 2560, 9728) == 4
+    assert auto_num_tiles(3, 2560, 9728) == 3
+    assert auto_num_tiles(100, 64, 32) == 1
+
+
+def _model_loss_and_grads(model, input_ids):
+    logits = model(input_ids=input_ids).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_whole_model_with_tiled_mlp(kind):
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(_qwen3_config())
+    else:
+        model = Qwen3MoeForCausalLM(_qwen3_moe_config())
+    input_ids = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = _model_loss_and_grads(model, input_ids)
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    undo = install_tiled_mlp(model, num_tiles=3)
+    assert all(isinstance(layer.mlp, TiledMLP) for layer in model.model.layers)
+    # Checkpoint keys are unchanged by the wrapper, in both directions.
+    assert list(model.state_dict()) == list(ref_state)
+    model.load_state_dict(ref_state)
+    loss, grads = _model_loss_and_grads(model, input_ids)
+    torch.testing.assert_close(loss, ref_loss, **FP32)
+    for name, grad in grads.items():
+        ref_name = name.replace(".mlp.mlp.", ".mlp.")
+        torch.testing.assert_close(grad, ref_grads[ref_name], **FP32, msg=name)
+    assert len(grads) == len(ref_grads)
+
+    undo()
+    assert not any(isinstance(layer.mlp, TiledMLP) for layer in model.model.layers)
+    assert list(dict(model.named_parameters())) == list(ref_grads)
+
+
+def test_moe_router_aux_loss_refused():
+    from transformers import Qwen3MoeForCausalLM
+
+    config = _qwen3_moe_config()
+    config.output_router_logits = True
+    model = Qwen3MoeForCausalLM(copy.deepcopy(config))
+    with pytest.raises(ValueError, match="output_router_logits"):
+        install_tiled_mlp(model)
