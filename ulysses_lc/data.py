@@ -335,7 +335,8 @@ class TokenStream:
         if step < 0:
             raise ValueError(f"step={step} must be >= 0")
         start = (step % len(self)) * self.seq_len
-        return torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len], dtype=np.int64))
+        # A copy: the memory map is read-only and the trainer may write into its batch.
+        return torch.from_numpy(np.array(self.tokens[start : start + self.seq_len], dtype=np.int64))
 
     def next_sequence(self) -> torch.Tensor:
         """The window at `position`, then advance `position` by one."""
