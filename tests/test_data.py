@@ -114,9 +114,24 @@ def test_parallel_chunked_equals_serial(bpe, tiny, chunk_chars):
         tokens, stats = tokenize_documents(iter(docs), tokenizer, None, chunk_chars=chunk_chars, progress=False)
         assert tokens.tolist() == expected
         assert stats == {"documents": len(docs), "chunking_exact_on_probe": True}
+        assert data.chunking_is_exact(tokenizer, docs[0], chunk_chars)
         # A token budget stops early and cuts exactly there.
         tokens, _ = tokenize_documents(iter(docs), tokenizer, 5000, chunk_chars=chunk_chars, progress=False)
         assert tokens.tolist() == expected[:5000]
+
+
+def test_chunking_probe_detects_prepend_normalizers():
+    """Llama-2-style tokenizers prepend "▁" to every encoded text, so each chunk border adds a token."""
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁": 1, "a": 2, "▁a": 3, "</s>": 4}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    llama_like = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    assert not data.chunking_is_exact(llama_like, "a a a a", chunk_chars=2)
+    _, stats = tokenize_documents(iter(["a a a a"]), llama_like, None, chunk_chars=2, progress=False)
+    assert stats["chunking_exact_on_probe"] is False
 
 
 # --- sources ---------------------------------------------------------------------------------
