@@ -1,0 +1,242 @@
+"""Activation checkpointing per decoder layer, with the checkpointed inputs held in host memory.
+
+Shape legend:
+    b  batch
+    s  sequence (local to this rank under sequence parallelism)
+    h  hidden size
+
+With non-reentrant checkpointing each decoder layer keeps only its input hidden_states_bsh
+for backward (the recompute rebuilds the rest). At long sequence those inputs, one per
+layer, are the largest thing left on the device, and nothing reads them until backward
+reaches their layer. So we copy them to (pinned) host memory as the forward saves them and
+bring them back just before the backward recomputes their layer.
+
+How the tensors are found: we wrap each layer's `torch.utils.checkpoint.checkpoint` call in
+`saved_tensors_hooks`. Non-reentrant checkpoint saves its positional tensor arguments (the
+layer input) under our hooks, and everything the layer computes inside under its own, inner
+hooks, so our pack hook sees only the layer input. Keyword tensors such as the rotary cos/sin
+and the attention mask are captured by the layer's closure and shared across layers; they
+never reach the hook. Parameters and tensors below `min_offload_bytes` stay where they are.
+
+Overlap (CUDA): forward copies device -> pinned host on a side stream, after waiting for
+the compute stream up to the save, so the copy overlaps the next layers' compute; the
+device tensor is `record_stream`-ed on the side stream so its memory is not reused before
+the copy is done. Backward walks layers last to first: when layer i's input is unpacked
+(its recompute is about to start) we queue the host -> device copy of layer i-1's input on
+the side stream, so it runs under layer i's recompute and backward; layer i-1's unpack then
+only makes the compute stream wait for that copy's event. The last `keep_on_gpu` layers,
+needed first in backward, are not offloaded at all: with keep_on_gpu >= 1 even the first
+backward layer has no copy to wait for.
+
+Without CUDA the same hooks run: the pack copies into a separate CPU buffer and the stream
+and event operations are skipped, so CPU tests exercise the code path. Copies are exact, so
+gradients are bitwise equal to checkpointing without offload.
+"""
+
+import functools
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+_DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
+
+
+class _LayerSaved:
+    """What one checkpointed layer call saved under our hooks, and where it is now."""
+
+    def __init__(self, index: int, keep: bool, prev: "_LayerSaved | None"):
+        self.index = index
+        self.keep = keep  # a keep_on_gpu layer: nothing moves
+        self.prev = prev  # the layer before this one in the same forward pass
+        self.host: list[torch.Tensor] = []  # host copies, one per offloaded tensor
+        self.devices: list[torch.device] = []
+        self.on_device: list[torch.Tensor | None] = []  # prefetched device copies
+        self.h2d_event = None
+
+
+class CheckpointHandle:
+    """Returned by `enable_checkpointing`: reports host memory used and undoes the change.
+
+    `host_bytes` counts the bytes copied to host in the latest forward pass; `pinned` says
+    whether they are page-locked (CUDA only).
+    """
+
+    def __init__(self, model, layers, offload, keep_on_gpu, min_offload_bytes, checkpoint_kwargs):
+        self.model = model
+        self.layers = list(layers)
+        self.offload = offload
+        self.keep_on_gpu = keep_on_gpu
+        self.min_offload_bytes = min_offload_bytes
+        self.checkpoint_kwargs = checkpoint_kwargs
+        self.host_bytes = 0
+        self.pinned = False
+        self._last_saved = None  # weakref: holding the record would hold every layer's host copy
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._restore: list[tuple[nn.Module, dict]] = []
+
+    # ---- checkpoint function installed on each layer ----
+
+    def _checkpoint_layer(self, index: int, function: Callable, *args):
+        if not self.offload:
+            return checkpoint(function, *args, **self.checkpoint_kwargs)
+        last = self._last_saved() if self._last_saved is not None else None
+        if last is None or index <= last.index:
+            # A new forward pass: earlier records belong to a graph backward already consumed
+            # (or will consume separately), so start a fresh chain and a fresh byte count.
+            last = None
+            self.host_bytes = 0
+        keep = index >= len(self.layers) - self.keep_on_gpu
+        saved = _LayerSaved(index, keep, last)
+        self._last_saved = weakref.ref(saved)
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, saved), self._unpack):
+            return checkpoint(function, *args, **self.checkpoint_kwargs)
+
+    # ---- saved-tensor hooks ----
+
+    def _pack(self, saved: _LayerSaved, tensor: torch.Tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if saved.keep or isinstance(tensor, nn.Parameter) or nbytes < self.min_offload_bytes:
+            return saved, None, tensor
+        on_cuda = tensor.is_cuda
+        host = torch.empty_like(tensor, device="cpu", pin_memory=on_cuda)
+        if on_cuda:
+            side = self._side_stream(tensor.device)
+            # The copy must see the finished tensor: wait for everything queued so far.
+            side.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(side):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(side)
+            self.pinned = True
+        else:
+            host.copy_(tensor)
+        saved.host.append(host)
+        saved.devices.append(tensor.device)
+        saved.on_device.append(None)
+        self.host_bytes += nbytes
+        return saved, len(saved.host) - 1, None
+
+    def _unpack(self, packed):
+        saved, slot, kept = packed
+        if slot is None:
+            tensor = kept
+        else:
+            if saved.on_device[slot] is None:
+                self._copy_to_device(saved)
+            tensor = saved.on_device[slot]
+            if saved.h2d_event is not None:
+                torch.cuda.current_stream(tensor.device).wait_event(saved.h2d_event)
+            # Drop our reference: the recompute owns the tensor now and frees it after use.
+            saved.on_device[slot] = None
+        # Layer i is about to recompute: bring layer i-1's input back under its compute.
+        if saved.prev is not None and saved.prev.host and all(t is None for t in saved.prev.on_device):
+            self._copy_to_device(saved.prev)
+        return tensor
+
+    def _copy_to_device(self, saved: _LayerSaved) -> None:
+        """Queue host -> device copies of all of `saved`'s offloaded tensors."""
+        device = saved.devices[0]
+        if device.type != "cuda":
+            # CPU: the host copy already is a tensor on the right device.
+            saved.on_device = list(saved.host)
+            return
+        compute = torch.cuda.current_stream(device)
+        side = self._side_stream(device)
+        # Allocated on the compute stream, which is where they are used and freed; the side
+        # stream waits so it does not write into memory the compute stream is still using.
+        on_device = [torch.empty_like(host, device=device) for host in saved.host]
+        side.wait_stream(compute)
+        # The device -> host copies were queued earlier on this same stream, so they are done.
+        with torch.cuda.stream(side):
+            for dst, host in zip(on_device, saved.host):
+                dst.copy_(host, non_blocking=True)
+            saved.h2d_event = torch.cuda.Event()
+            saved.h2d_event.record(side)
+        saved.on_device = on_device
+
+    def _side_stream(self, device: torch.device):
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        return self._side_streams[device]
+
+    # ---- public ----
+
+    def report(self) -> dict:
+        """Layers checkpointed and offloaded, and host bytes of the latest forward pass."""
+        n = len(self.layers)
+        return {
+            "checkpointed_layers": n,
+            "offloaded_layers": n - self.keep_on_gpu if self.offload else 0,
+            "kept_on_device_layers": self.keep_on_gpu if self.offload else n,
+            "host_bytes": self.host_bytes,
+            "pinned": self.pinned,
+        }
+
+    def undo(self) -> None:
+        """Restore each layer's checkpointing attributes as they were before."""
+        for layer, before in self._restore:
+            for name, value in before.items():
+                if value is _MISSING:
+                    layer.__dict__.pop(name, None)
+                else:
+                    setattr(layer, name, value)
+        self._restore = []
+
+
+_MISSING = object()
+
+
+def _checkpointable_layers(model: nn.Module) -> nn.ModuleList:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
+        raise ValueError(
+            f"{type(model).__name__} has no `model.layers` of transformers GradientCheckpointingLayer; "
+            "enable_checkpointing supports transformers v5 decoder models laid out like Llama/Qwen3."
+        )
+    return layers
+
+
+def enable_checkpointing(
+    model: nn.Module,
+    offload: bool = True,
+    keep_on_gpu: int = 0,
+    min_offload_bytes: int = _DEFAULT_MIN_OFFLOAD_BYTES,
+    checkpoint_kwargs: dict | None = None,
+) -> CheckpointHandle:
+    """Turn on non-reentrant activation checkpointing for every decoder layer, optionally offloaded.
+
+    offload: keep each layer's checkpointed input in host memory between forward and backward.
+    keep_on_gpu: the last this-many layers (needed first in backward) are not offloaded.
+    min_offload_bytes: saved tensors smaller than this stay on the device.
+    checkpoint_kwargs: extra arguments for torch.utils.checkpoint.checkpoint (non-reentrant only).
+
+    We set the layers' `gradient_checkpointing` / `_gradient_checkpointing_func` directly
+    rather than through `model.gradient_checkpointing_enable`: that entry point was renamed
+    between the transformers versions we support (deprecated for `activation_checkpointing_enable`
+    in 5.24), and it also installs an input-embedding hook that only reentrant checkpointing needs.
+    """
+    layers = _checkpointable_layers(model)
+    if not 0 <= keep_on_gpu <= len(layers):
+        raise ValueError(f"keep_on_gpu={keep_on_gpu} must be in [0, {len(layers)}] (the number of decoder layers).")
+    checkpoint_kwargs = dict(checkpoint_kwargs or {})
+    if checkpoint_kwargs.pop("use_reentrant", False):
+        raise ValueError(
+            "use_reentrant=True is not supported: offload hooks and ZeRO-3 rely on non-reentrant checkpointing; "
+            "drop use_reentrant from checkpoint_kwargs."
+        )
+    checkpoint_kwargs["use_reentrant"] = False
+    handle = CheckpointHandle(model, layers, offload, keep_on_gpu, min_offload_bytes, checkpoint_kwargs)
+    for index, layer in enumerate(layers):
+        before = {name: layer.__dict__.get(name, _MISSING) for name in ("gradient_checkpointing", "_gradient_checkpointing_func")}
+        handle._restore.append((layer, before))
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = functools.partial(handle._checkpoint_layer, index)
+    return handle
+
+
+__all__ = ["CheckpointHandle", "enable_checkpointing"]
