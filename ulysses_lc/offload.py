@@ -98,7 +98,8 @@ class CheckpointHandle:
 
     def _pack(self, saved: _LayerSaved, tensor: torch.Tensor):
         nbytes = tensor.numel() * tensor.element_size()
-        if saved.keep or isinstance(tensor, nn.Parameter) or nbytes < self.min_offload_bytes:
+        # Empty tensors: torch's checkpoint (2.11) saves a 0-element CPU dummy next to the inputs.
+        if saved.keep or nbytes == 0 or isinstance(tensor, nn.Parameter) or nbytes < self.min_offload_bytes:
             return saved, None, tensor
         on_cuda = tensor.is_cuda
         host = torch.empty_like(tensor, device="cpu", pin_memory=on_cuda)
@@ -126,7 +127,7 @@ class CheckpointHandle:
             if saved.on_device[slot] is None:
                 self._copy_to_device(saved)
             tensor = saved.on_device[slot]
-            if saved.h2d_event is not None:
+            if tensor.is_cuda:
                 torch.cuda.current_stream(tensor.device).wait_event(saved.h2d_event)
             # Drop our reference: the recompute owns the tensor now and frees it after use.
             saved.on_device[slot] = None
@@ -137,23 +138,24 @@ class CheckpointHandle:
 
     def _copy_to_device(self, saved: _LayerSaved) -> None:
         """Queue host -> device copies of all of `saved`'s offloaded tensors."""
-        device = saved.devices[0]
-        if device.type != "cuda":
-            # CPU: the host copy already is a tensor on the right device.
-            saved.on_device = list(saved.host)
-            return
-        compute = torch.cuda.current_stream(device)
-        side = self._side_stream(device)
-        # Allocated on the compute stream, which is where they are used and freed; the side
-        # stream waits so it does not write into memory the compute stream is still using.
-        on_device = [torch.empty_like(host, device=device) for host in saved.host]
-        side.wait_stream(compute)
-        # The device -> host copies were queued earlier on this same stream, so they are done.
-        with torch.cuda.stream(side):
-            for dst, host in zip(on_device, saved.host):
+        on_device = []
+        for host, device in zip(saved.host, saved.devices):
+            if device.type != "cuda":
+                # CPU: the host copy already is a tensor on the right device.
+                on_device.append(host)
+                continue
+            compute = torch.cuda.current_stream(device)
+            side = self._side_stream(device)
+            # Allocated on the compute stream, which is where it is used and freed; the side
+            # stream waits so it does not write into memory the compute stream still uses.
+            dst = torch.empty_like(host, device=device)
+            side.wait_stream(compute)
+            # The device -> host copy was queued earlier on this same stream, so it is done first.
+            with torch.cuda.stream(side):
                 dst.copy_(host, non_blocking=True)
-            saved.h2d_event = torch.cuda.Event()
-            saved.h2d_event.record(side)
+                saved.h2d_event = torch.cuda.Event()
+                saved.h2d_event.record(side)
+            on_device.append(dst)
         saved.on_device = on_device
 
     def _side_stream(self, device: torch.device):
