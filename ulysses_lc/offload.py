@@ -97,6 +97,9 @@ class CheckpointHandle:
     # ---- saved-tensor hooks ----
 
     def _pack(self, saved: _LayerSaved, tensor: torch.Tensor):
+        """Forward: keep a layer input in (pinned) host memory; the device tensor is then free
+        to go once the layer's graph no longer needs it. Keeps kept-layer, parameter and small
+        tensors on their device as they are."""
         nbytes = tensor.numel() * tensor.element_size()
         # Empty tensors: torch's checkpoint (2.11) saves a 0-element CPU dummy next to the inputs.
         if saved.keep or nbytes == 0 or isinstance(tensor, nn.Parameter) or nbytes < self.min_offload_bytes:
@@ -120,6 +123,8 @@ class CheckpointHandle:
         return saved, len(saved.host) - 1, None
 
     def _unpack(self, packed):
+        """Backward: hand the recompute its input back on the device, and start bringing the
+        previous layer's input back from the host."""
         saved, slot, kept = packed
         if slot is None:
             tensor = kept
