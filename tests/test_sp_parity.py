@@ -1,18 +1,17 @@
 """SP=N against one plain process: same model, same sequence, loss and every gradient.
 
 The reference is plain transformers: `model(input_ids, labels=labels).loss` and its backward, with no
-ulysses_lc code. The SP side runs on gloo ranks; gradients are then all-reduced and divided by the world
-size, which is what DeepSpeed ZeRO does with them (layout.py explains why that gives the exact gradient).
+ulysses_lc code. The SP side runs on gloo ranks; gradients are then averaged over all ranks, which is what DeepSpeed
+ZeRO-3 does with them (layout.py says why that is the exact gradient).
 Tolerances (fp32): loss within 1e-5 relative, each parameter's gradient within 1e-4 relative norm.
 """
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
-from ulysses_lc import IGNORE_INDEX, ParallelLayout, SequenceParallelCausalLM, shard_batch
+from ulysses_lc import IGNORE_INDEX, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -40,13 +39,8 @@ def sp_worker(rank, world_size, family, sp_size, sequences, overrides):
     batch = shard_batch(input_ids, layout, labels=labels)
     loss = model(**batch.as_kwargs())
     loss.backward()
-    grads = {}
-    for name, p in model.model.named_parameters():
-        if p.grad is None:
-            continue
-        g = p.grad.clone()
-        dist.all_reduce(g)  # ZeRO's reduction: average over every rank
-        grads[name] = g / world_size
+    reduce_gradients(model.parameters(), layout)
+    grads = {name: p.grad for name, p in model.model.named_parameters() if p.grad is not None}
     return loss.item(), grads
 
 

@@ -2,7 +2,7 @@
 
 from .attention import UlyssesAttention, check_model_for_ulysses
 from .constants import IGNORE_INDEX
-from .layout import ParallelLayout, valid_sp_sizes
+from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
 from .loss import sp_mean_loss
 from .model import SequenceParallelCausalLM
 from .sharding import ShardedBatch, shard_batch
@@ -14,6 +14,7 @@ __all__ = [
     "ShardedBatch",
     "UlyssesAttention",
     "check_model_for_ulysses",
+    "reduce_gradients",
     "shard_batch",
     "sp_mean_loss",
     "valid_sp_sizes",

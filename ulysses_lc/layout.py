@@ -4,12 +4,15 @@ Ranks are laid out SP-major: ranks [i*sp, (i+1)*sp) form sequence-parallel group
 around attention stays inside a node whenever sp_size divides the GPUs per node. Data-parallel group j
 holds rank j of every SP group.
 
-Gradient contract with DeepSpeed ZeRO-3: parameters and optimizer state are partitioned over *all*
-ranks (DeepSpeed's "sequence-data-parallel" group) and ZeRO averages gradients over all of them. The
-loss on each rank is the whole sequence's mean (see `loss.sp_mean_loss`), whose backward sends every
-SP rank's share of the gradient with weight sp_size; ZeRO's division by sp_size * dp_size then yields
-the sum over the SP group and the mean over DP, which is exactly the gradient of the per-sequence
-mean loss averaged over sequences.
+Gradient contract with DeepSpeed ZeRO-3: parameters, gradients and optimizer state are partitioned over
+*all* ranks (DeepSpeed's "sequence-data-parallel" group), and ZeRO-3's reduce-scatter averages gradients
+over all sp_size * dp_size ranks. The loss on each rank is the whole sequence's mean
+(`loss.sp_mean_loss`), whose backward hands every rank sp_size times its own tokens' share of the
+gradient; the average over all ranks then equals the sum over the SP group and the mean over DP, which is
+the gradient of the per-sequence mean loss averaged over sequences. `reduce_gradients` does the same
+for a plain PyTorch loop, and `check_deepspeed_config` refuses DeepSpeed settings whose reduction
+divides differently (ZeRO stages 0-2 and ZeRO-3 without reduce-scatter divide by dp_size only, measured
+on DeepSpeed 0.19).
 """
 
 from __future__ import annotations
@@ -131,6 +134,17 @@ class ParallelLayout:
         return DeepSpeedMPU(self)
 
 
+def reduce_gradients(parameters, layout: "ParallelLayout") -> None:
+    """Average gradients over all ranks in place, as ZeRO-3 does (see the gradient contract above).
+
+    For loops without DeepSpeed; under `deepspeed.initialize(mpu=layout.mpu)` the engine does this.
+    """
+    for p in parameters:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=layout.world_group)
+            p.grad.div_(layout.world_size)
+
+
 class DeepSpeedMPU:
     """Adapter exposing a ParallelLayout through DeepSpeed's sequence-parallel mpu interface.
 
@@ -138,6 +152,11 @@ class DeepSpeedMPU:
     `deepspeed.runtime.sequence_parallel.parallel_state_sp`): it then partitions ZeRO state over the
     sequence-data-parallel group (here: all ranks) and does not treat SP ranks as tensor-parallel shards
     when computing gradient norms or naming checkpoints.
+
+    It deliberately has no `get_data_parallel_group`: DeepSpeed's ZeRO-3 parameter partitioning would take
+    that group (the DP axis only) while its optimizer partitions over all ranks, and the two disagree
+    (measured on DeepSpeed 0.19: wrong gradients at sp 2). The DP group stays on the layout (`layout.dp_group`); the DP size
+    and rank below are what DeepSpeed uses for batch-size bookkeeping.
     """
 
     def __init__(self, layout: ParallelLayout):
@@ -167,9 +186,6 @@ class DeepSpeedMPU:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return self.layout.rank
-
-    def get_data_parallel_group(self):
-        return self.layout.dp_group
 
     def get_data_parallel_world_size(self) -> int:
         return self.layout.dp_size

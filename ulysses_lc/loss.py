@@ -16,10 +16,12 @@ from .layout import ParallelLayout
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """Forward: all-reduce (sum) over the SP group. Backward: all-reduce (sum) of the incoming gradient,
-    so each rank's local sum receives the gradient of every rank's (identical) loss: sp_size times the
-    per-rank share, which ZeRO's average over sp_size * dp_size ranks turns back into the exact sum over
-    the SP group (see layout.py). Saves nothing."""
+    """Forward: all-reduce (sum) over the SP group. Backward: all-reduce (sum) of the incoming gradient.
+
+    Every SP rank holds the same total loss and runs its own backward, so the gradient reaching each
+    rank's local sum is the sum of all sp_size ranks' (identical) gradients: sp_size times its own share.
+    ZeRO-3 then averages over all sp_size * dp_size ranks, which turns that back into the exact sum over
+    the SP group and mean over DP (layout.py). Saves nothing."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -1,0 +1,74 @@
+"""DeepSpeed config checks: refuse settings under which sequence-parallel training would be silently wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .layout import ParallelLayout
+
+
+def load_deepspeed_config(config: str | Path | dict) -> dict:
+    """Read a DeepSpeed JSON config (path or dict) into a new dict."""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"DeepSpeed config {path} does not exist; pass one of the files in ds_configs/.")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {e}") from e
+
+
+def check_deepspeed_config(config: dict, layout: ParallelLayout, gradient_accumulation_steps: int | None = None) -> dict:
+    """Check (and complete) a DeepSpeed config for one sequence per micro step on `layout`.
+
+    Fills train_micro_batch_size_per_gpu=1 and derives train_batch_size when absent ("auto" counts as absent);
+    raises ValueError when the config contradicts the run.
+    """
+    config = dict(config)
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
+        if config.get(key) == "auto":
+            del config[key]
+    micro = config.setdefault("train_micro_batch_size_per_gpu", 1)
+    if micro != 1:
+        raise ValueError(
+            f"train_micro_batch_size_per_gpu={micro}: ulysses_lc trains one long sequence per step per SP group; "
+            "set it to 1 (use gradient_accumulation_steps for more sequences per optimizer step)."
+        )
+    if gradient_accumulation_steps is not None:
+        ga = config.setdefault("gradient_accumulation_steps", gradient_accumulation_steps)
+        if ga != gradient_accumulation_steps:
+            raise ValueError(
+                f"the DeepSpeed config has gradient_accumulation_steps={ga} but the run asks for "
+                f"{gradient_accumulation_steps}; remove it from the config or make them agree."
+            )
+    ga = config.setdefault("gradient_accumulation_steps", 1)
+    # With our mpu DeepSpeed sizes batches by the DP axis: sequences per optimizer step.
+    expected = micro * ga * layout.dp_size
+    tbs = config.setdefault("train_batch_size", expected)
+    if tbs != expected:
+        raise ValueError(
+            f"train_batch_size={tbs} does not match 1 sequence x gradient_accumulation_steps={ga} x "
+            f"dp_size={layout.dp_size} = {expected} sequences; remove train_batch_size from the config."
+        )
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if layout.sp_size > 1 and stage != 3:
+        raise ValueError(
+            f"zero_optimization.stage={stage} with sp_size={layout.sp_size}: DeepSpeed's stage 0-2 gradient "
+            "reduction divides by the data-parallel size only, which does not match the sequence-parallel loss; "
+            "use stage 3 (see ds_configs/)."
+        )
+    if layout.sp_size > 1 and zero.get("reduce_scatter", True) is False:
+        raise ValueError(
+            "zero_optimization.reduce_scatter=false with sequence parallelism: DeepSpeed then averages gradients "
+            "over dp_size instead of all ranks, scaling them by sp_size; remove the setting."
+        )
+    if config.get("sequence_parallel_size", layout.sp_size) != layout.sp_size:
+        raise ValueError(
+            f"the DeepSpeed config says sequence_parallel_size={config['sequence_parallel_size']} but the run uses "
+            f"sp_size={layout.sp_size}; remove the key or make them agree."
+        )
+    return config
