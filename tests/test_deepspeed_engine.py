@@ -20,12 +20,16 @@ CONFIG = {
 }
 
 
-def engine_worker(rank, world_size, sp_size, input_ids):
+NO_LEVERS = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False)
+ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True, min_offload_bytes=0)
+
+
+def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family="qwen3"):
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     layout = ParallelLayout.build(sp_size)
-    model = SequenceParallelCausalLM(build("qwen3"), layout)
+    model = SequenceParallelCausalLM(build(family, tie_word_embeddings=True), layout, **levers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=check_deepspeed_config(CONFIG, layout), mpu=layout.mpu
@@ -45,6 +49,17 @@ def test_zero3_sp2_matches_one_rank():
     (single,) = run_distributed(engine_worker, 1, 1, input_ids)
     parallel = run_distributed(engine_worker, 2, 2, input_ids)
     assert single[0] != single[-1]  # it trained
+    for losses in parallel:
+        for a, b in zip(losses, single):
+            assert abs(a - b) <= 1e-4 * abs(b), (losses, single)
+
+
+def test_zero3_sp2_all_levers_matches_one_rank_plain():
+    # ZeRO-3 gathers the tied LM head inside the chunked loss head and the tiled MLP's weights once per
+    # layer (leaf modules); a gather or reduction missed there would change the trajectory.
+    input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
+    (single,) = run_distributed(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_moe")
+    parallel = run_distributed(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_moe")
     for losses in parallel:
         for a, b in zip(losses, single):
             assert abs(a - b) <= 1e-4 * abs(b), (losses, single)

@@ -14,9 +14,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import UlyssesAttention, check_model_for_ulysses
+from .chunked_loss import ChunkedLossHead, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
+from .offload import enable_checkpointing
+from .tiled_mlp import install_tiled_mlp
 
 
 def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
@@ -33,12 +36,35 @@ class SequenceParallelCausalLM(nn.Module):
     forward(input_ids, position_ids, labels) -> loss: mean over the valid tokens of the whole sequence
     (all SP ranks), identical on each of them; `last_num_tokens` holds the valid-token count (a device
     tensor, read it after the step). The wrapped model stays a normal HF model (`.model`): save or
-    export it as usual.
+    export it as usual, after `undo()` if you want the plain modules back.
+
+    The memory levers, each exact, are on by default; build this wrapper before `deepspeed.initialize`
+    (ZeRO-3 registers its hooks on the modules as they are then):
+      chunked_loss: loss from hidden states in row chunks, never the [tokens x vocab] logits (True =
+        automatic chunk rows, or an int).
+      tiled_mlp: each MLP runs over sequence tiles (None = automatic tile count, or an int).
+      checkpointing: non-reentrant activation checkpointing of every decoder layer.
+      offload: checkpointed layer inputs wait in host memory, except the last `keep_on_gpu` layers
+        (and tensors under `min_offload_bytes`).
     """
 
-    def __init__(self, model: nn.Module, layout: ParallelLayout, kernel: str = "sdpa"):
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ParallelLayout,
+        kernel: str = "sdpa",
+        *,
+        chunked_loss: bool | int = True,
+        tiled_mlp: bool | int = True,
+        checkpointing: bool = True,
+        offload: bool = True,
+        keep_on_gpu: int = 0,
+        min_offload_bytes: int | None = None,
+    ):
         super().__init__()
         check_model_for_ulysses(model.config, layout.sp_size)
+        if offload and not checkpointing:
+            raise ValueError("offload=True moves checkpointed activations to the host; it needs checkpointing=True.")
         self.model = model
         self.layout = layout
         self.last_num_tokens = None
@@ -46,6 +72,15 @@ class SequenceParallelCausalLM(nn.Module):
         if layout.sp_size > 1:
             self.attention = UlyssesAttention(layout, kernel=kernel)
             self._undo.append(self.attention.apply(model))
+        if chunked_loss:
+            self._undo.append(install_chunked_loss_head(model, None if chunked_loss is True else int(chunked_loss)))
+        if tiled_mlp:
+            self._undo.append(install_tiled_mlp(model, None if tiled_mlp is True else int(tiled_mlp)))
+        self.checkpointing = None
+        if checkpointing:
+            extra = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
+            self.checkpointing = enable_checkpointing(model, offload=offload, keep_on_gpu=keep_on_gpu, **extra)
+            self._undo.append(self.checkpointing.undo)
 
     @property
     def config(self):
@@ -63,7 +98,7 @@ class SequenceParallelCausalLM(nn.Module):
             input_ids=input_ids, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         head = self.model.get_output_embeddings()
-        if getattr(head, "computes_loss", False):
+        if isinstance(head, ChunkedLossHead):
             loss_sum, n_valid = head(hidden_bsh, labels)
         else:
             loss_sum, n_valid = plain_loss_sum(head(hidden_bsh), labels)
