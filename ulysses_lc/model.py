@@ -52,7 +52,7 @@ class SequenceParallelCausalLM(nn.Module):
         self,
         model: nn.Module,
         layout: ParallelLayout,
-        kernel: str = "sdpa",
+        kernel: str = "auto",
         *,
         chunked_loss: bool | int = True,
         tiled_mlp: bool | int = True,
@@ -69,9 +69,9 @@ class SequenceParallelCausalLM(nn.Module):
         self.layout = layout
         self.last_num_tokens = None
         self._undo = []
-        if layout.sp_size > 1:
-            self.attention = UlyssesAttention(layout, kernel=kernel)
-            self._undo.append(self.attention.apply(model))
+        # Also at sp_size 1: the attention kernel (and its backend priority) is then ours.
+        self.attention = UlyssesAttention(layout, kernel=kernel)
+        self._undo.append(self.attention.apply(model))
         if chunked_loss:
             self._undo.append(install_chunked_loss_head(model, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:
