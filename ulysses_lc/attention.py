@@ -13,6 +13,8 @@ after the gather the sequence is in global order and the causal kernel's `is_cau
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 
 import torch
@@ -22,6 +24,13 @@ import torch.nn.functional as F
 from .layout import ParallelLayout, check_heads
 
 logger = logging.getLogger(__name__)
+_instance_ids = itertools.count()
+
+_MASK_REFUSED = (
+    "Ulysses attention computes causality from global positions and cannot apply an attention_mask "
+    "(padding or packed documents would be silently attended to by the causal kernel). Pass "
+    "attention_mask=None, pad at the end and mark padded labels with IGNORE_INDEX (see shard_batch)."
+)
 
 KERNELS = ("auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3")
 
@@ -149,16 +158,13 @@ class UlyssesAttention:
             _flash_attn_func(kernel)  # fail now, not at the first layer
         self.layout = layout
         self.kernel = kernel
-        self.name = name or f"ulysses_lc_{kernel}"
+        # One entry per instance: two models in one process (say, a policy and a reference) may differ.
+        self.name = name or f"ulysses_lc_{kernel}_{next(_instance_ids)}"
         logger.info("ulysses_lc attention: kernel %s, sp_size %d", kernel, layout.sp_size)
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if attention_mask is not None:
-            raise ValueError(
-                "Ulysses attention computes causality from global positions and cannot apply an attention_mask "
-                "(padding or packed documents would be silently ignored by the causal kernel). Pass "
-                "attention_mask=None, pad at the end and mark padded labels with IGNORE_INDEX (see shard_batch)."
-            )
+            raise ValueError(_MASK_REFUSED)
         if kwargs.get("sliding_window") is not None:
             raise ValueError(
                 f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention "
@@ -200,21 +206,25 @@ class UlyssesAttention:
         self.register()
         previous = model.config._attn_implementation
         _set_attn(model, self.name)
-        hook = None
-        if self.layout.sp_size > 1:
-            hook = model.base_model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
+        check = functools.partial(_check_model_inputs, sp_size=self.layout.sp_size)
+        hook = model.base_model.register_forward_pre_hook(check, with_kwargs=True)
 
         def undo():
-            if hook is not None:
-                hook.remove()
+            hook.remove()
             _set_attn(model, previous)
+            self.unregister()
 
         return undo
 
 
-def _require_position_ids(module, args, kwargs):
-    # Without them every rank would number its slice from 0: wrong rotary phases, silently.
-    if kwargs.get("position_ids") is None and len(args) < 3:
+def _check_model_inputs(module, args, kwargs, sp_size):
+    # transformers drops a 2D attention_mask on its way to a custom attention function: refuse it here,
+    # or padding would silently be attended to.
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if mask is not None:
+        raise ValueError(_MASK_REFUSED)
+    # Without position ids every rank would number its slice from 0: wrong rotary phases, silently.
+    if sp_size > 1 and kwargs.get("position_ids") is None and len(args) < 3:
         raise ValueError(
             "position_ids are required under sequence parallelism: each rank holds a slice of the sequence and "
             "needs its global positions; build the batch with ulysses_lc.shard_batch()."

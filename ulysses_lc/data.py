@@ -210,7 +210,7 @@ def tokenize_documents(
             added += len(ids)
         if added:
             chars_per_token = max(pending_chars / added, 0.5)
-        bar.update(added if num_tokens is None else min(added, num_tokens - total))
+        bar.update(added if num_tokens is None else max(0, min(added, num_tokens - total)))
         total += added
         pending, pending_chars = [], 0
 

@@ -13,6 +13,9 @@ def load_deepspeed_config(config: str | Path | dict) -> dict:
     if isinstance(config, dict):
         return json.loads(json.dumps(config))
     path = Path(config)
+    repo_copy = Path(__file__).resolve().parent.parent / path
+    if not path.is_file() and not path.is_absolute() and repo_copy.is_file():
+        path = repo_copy  # ds_configs/... named from outside the repository checkout
     if not path.is_file():
         raise ValueError(f"DeepSpeed config {path} does not exist; pass one of the files in ds_configs/.")
     try:

@@ -1,0 +1,96 @@
+"""Bad input is refused with a ValueError that names the fix, before any compute."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
+
+from tests.models import VOCAB, build, tiny_config
+from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, check_model_for_ulysses, shard_batch
+from ulysses_lc.layout import check_heads, valid_sp_sizes
+
+
+def layout(world, sp):
+    # Groups are not needed for the checks under test: they all fire before any collective.
+    return ParallelLayout(world_size=world, sp_size=sp)
+
+
+def test_world_not_divisible_by_sp():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by sp_size=4; pick sp_size in \[1, 2, 3, 6\]"):
+        layout(6, 4)
+
+
+def test_heads_not_divisible_lists_valid_sizes():
+    with pytest.raises(ValueError, match=r"pick sp_size in \[1, 2, 4\]"):
+        check_heads(4, 2, 3)
+    with pytest.raises(ValueError, match="sp_size=8 cannot split num_attention_heads=4"):
+        SequenceParallelCausalLM(build("qwen3"), layout(8, 8))
+    # 28 query heads / 4 KV heads (a Qwen2.5-7B-like shape): 7 and 14 split the query heads but not the KV heads.
+    assert valid_sp_sizes(28, 4) == [1, 2, 4, 28]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16),
+        Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16),
+        tiny_config("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=0),
+    ],
+    ids=["mistral", "gemma3", "qwen3-sliding"],
+)
+def test_sliding_window_models_refused(config):
+    with pytest.raises(ValueError, match="full-attention model"):
+        check_model_for_ulysses(config, sp_size=2)
+    check_model_for_ulysses(tiny_config("qwen3"), sp_size=2)  # full attention passes
+
+
+def test_mistral_without_window_is_accepted():
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=None)
+    check_model_for_ulysses(cfg, sp_size=2)
+
+
+def test_eager_attention_refused():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3", attn_implementation="eager"))
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        SequenceParallelCausalLM(model, layout(2, 2))
+
+
+def test_missing_position_ids_refused():
+    model = SequenceParallelCausalLM(build("qwen3"), layout(2, 2), checkpointing=False, offload=False)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with pytest.raises(ValueError, match="position_ids are required"):
+        model(input_ids=ids, labels=ids)
+    with pytest.raises(ValueError, match="shard_batch"):  # the bare HF model, Ulysses attention installed
+        model.model(input_ids=ids)
+    model.undo()
+    model.model(input_ids=ids)  # undone: a plain model again
+
+
+def test_attention_mask_refused():
+    model = SequenceParallelCausalLM(build("qwen3"), layout(1, 1), checkpointing=False, offload=False)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with pytest.raises(ValueError, match="attention_mask=None"):
+        model.model(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def test_packed_positions_refused():
+    ids = torch.randint(0, VOCAB, (1, 8))
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="packed documents"):
+        shard_batch(ids, layout(2, 2), position_ids=packed)
+
+
+def test_registration_never_overwrites_and_is_reversible():
+    from transformers import AttentionInterface
+
+    from ulysses_lc import UlyssesAttention
+
+    with pytest.raises(ValueError, match="already registered"):
+        UlyssesAttention(layout(1, 1), kernel="sdpa", name="sdpa").register()
+    attn = UlyssesAttention(layout(1, 1), kernel="sdpa").register()
+    assert AttentionInterface._global_mapping[attn.name] is attn
+    attn.unregister()
+    assert attn.name not in AttentionInterface._global_mapping

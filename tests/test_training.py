@@ -1,0 +1,160 @@
+"""The main job on CPU: the embedded default end to end on 2 gloo ranks, cache, kill-and-resume, export, bad input."""
+
+import json
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tests._dist import run_distributed
+from ulysses_lc.training import EXPORT_DIR, TrainConfig, train
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
+
+
+def tiny_config(tmp_path, **overrides):
+    base = TrainConfig(
+        model="tiny", data="tiny", seq_len=2048, steps=6, lr=3e-3, warmup_steps=1,
+        output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), export=True,
+    )
+    return replace(base, **overrides)
+
+
+class Killed(Exception):
+    pass
+
+
+def train_worker(rank, world_size, cfg, kill_after=None):
+    def on_step(step, record):
+        if kill_after is not None and step == kill_after:
+            raise Killed
+
+    try:
+        records = train(cfg, on_step=on_step)
+    except Killed:
+        return "killed"
+    return [r["loss"] for r in records]
+
+
+def test_cli_defaults_to_tiny_without_gpu():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "train_1m.py"
+    spec = importlib.util.spec_from_file_location("train_1m", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parse_args = module.parse_args
+
+    cfg = parse_args(["--steps", "3"])
+    if not torch.cuda.is_available():
+        assert (cfg.model, cfg.data, cfg.steps) == ("tiny", "tiny", 3)
+    full = parse_args(["--model", "Qwen/Qwen3-8B"])
+    assert (full.model, full.seq_len, full.data) == ("Qwen/Qwen3-8B", 1_048_576, "pg19")
+
+
+def test_train_resume_export(tmp_path):
+    cfg = tiny_config(tmp_path, save_every=2)
+    losses = run_distributed(train_worker, 2, cfg)[0]
+    # Real text, 6 steps: the loss must come down clearly from the ~log(257) start.
+    assert losses[-1] < losses[0] - 0.3, losses
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert {"loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "tflops_per_gpu", "host_rss_gb"} <= metrics[0].keys()
+
+    # The token cache is hit on a rerun: the token file is not rewritten.
+    (token_file,) = (tmp_path / "cache").glob("*.tokens")
+    mtime = token_file.stat().st_mtime_ns
+
+    # Killed after step 3 (checkpoint at step 2), then resumed: steps 3..6 reproduce the uninterrupted run.
+    killed = tiny_config(tmp_path, output_dir=str(tmp_path / "killed"), save_every=2, export=False)
+    assert run_distributed(train_worker, 2, killed, 3) == ["killed", "killed"]
+    resumed = run_distributed(train_worker, 2, replace(killed, resume=True))[0]
+    assert token_file.stat().st_mtime_ns == mtime
+    assert len(resumed) == 4
+    np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
+
+    # The export reloads with from_pretrained, carries YaRN, and gives the trained weights' logits.
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_lc.training import tiny_model_config
+    from ulysses_lc.yarn import apply_yarn
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / EXPORT_DIR, dtype=torch.float32)
+    rope = exported.config.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 2.0  # 2048 tokens on a 1024-token model
+    reference = AutoModelForCausalLM.from_config(apply_yarn(tiny_model_config(), cfg.seq_len), dtype=torch.float32)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    state = {k.removeprefix("model.").replace(".mlp.mlp.", ".mlp."): v for k, v in state.items()}
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])  # tied
+    reference.load_state_dict(state)
+    ids = torch.randint(0, 256, (1, 64))
+    torch.testing.assert_close(exported(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def bad_input_worker(rank, world_size, cfg_dict, tmp):
+    """Each case must fail with a ValueError naming the fix, before loading weights or data."""
+    cfg = TrainConfig(**cfg_dict)
+    np.save(f"{tmp}/few.npy", np.arange(10, dtype=np.int64))
+    configs = {
+        "micro": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}},
+        "stage": {"zero_optimization": {"stage": 2}},
+        "sp": {"zero_optimization": {"stage": 3}, "sequence_parallel_size": 4},
+    }
+    for name, body in configs.items():
+        with open(f"{tmp}/{name}.json", "w") as f:
+            json.dump(body, f)
+    os.makedirs(f"{tmp}/taken/checkpoints", exist_ok=True)
+    open(f"{tmp}/taken/checkpoints/latest", "w").write("step2")
+    cases = {
+        "sp_not_dividing_world": replace(cfg, sp_size=3),
+        "seq_shorter_than_sp": replace(cfg, seq_len=1),
+        "missing_data": replace(cfg, data=f"{tmp}/nope.txt"),
+        "too_few_tokens": replace(cfg, data=f"{tmp}/few.npy"),
+        "ds_micro_batch": replace(cfg, ds_config=f"{tmp}/micro.json"),
+        "ds_stage": replace(cfg, ds_config=f"{tmp}/stage.json"),
+        "ds_sp_size": replace(cfg, ds_config=f"{tmp}/sp.json"),
+        "missing_ds_config": replace(cfg, ds_config=f"{tmp}/none.json"),
+        "output_dir_taken": replace(cfg, output_dir=f"{tmp}/taken"),
+        "resume_nothing": replace(cfg, output_dir=f"{tmp}/empty", resume=True),
+        "model_offline": replace(cfg, model="Qwen/Qwen3-8B", data="tiny"),
+        "model_bad_name": replace(cfg, model="no such//model"),
+    }
+    messages = {}
+    for name, case in cases.items():
+        try:
+            train(case)
+        except ValueError as e:
+            messages[name] = str(e)
+        else:
+            messages[name] = None
+    return messages
+
+
+EXPECTED = {
+    "sp_not_dividing_world": "pick sp_size in",
+    "seq_shorter_than_sp": "at least 2 tokens",
+    "missing_data": "no file or folder exists",
+    "too_few_tokens": "one step needs seq_len=2,048",
+    "ds_micro_batch": "set it to 1",
+    "ds_stage": "use stage 3",
+    "ds_sp_size": "sequence_parallel_size=4",
+    "missing_ds_config": "ds_configs/",
+    "output_dir_taken": "pass --resume",
+    "resume_nothing": "drop --resume",
+    "model_offline": "--model tiny",
+    "model_bad_name": "--model tiny",
+}
+
+
+def test_bad_input_refused_before_heavy_work(tmp_path):
+    cfg = tiny_config(tmp_path, output_dir=str(tmp_path / "out"))
+    messages = run_distributed(bad_input_worker, 2, cfg.__dict__, str(tmp_path))[0]
+    for name, fragment in EXPECTED.items():
+        assert messages[name] is not None, f"{name}: no error"
+        assert fragment in messages[name], f"{name}: {messages[name]}"
+    assert "no network" in messages["model_offline"]
+    assert not (tmp_path / "out").exists()  # nothing was written by a refused run
