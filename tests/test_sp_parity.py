@@ -27,7 +27,10 @@ def make_sequence(seq_len, seed, ignore_prefix=0):
 
 def reference(family, input_ids, labels, **overrides):
     model = build(family, **overrides)
-    loss = model(input_ids=input_ids, labels=labels).loss
+    with torch.no_grad():
+        eval_loss = model.eval()(input_ids=input_ids, labels=labels).loss.item()
+    loss = model.train()(input_ids=input_ids, labels=labels).loss
+    assert abs(loss.item() - eval_loss) <= LOSS_RTOL * eval_loss  # no dropout: train and eval agree
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -55,6 +58,13 @@ def assert_close(loss, grads, ref_loss, ref_grads):
         assert err <= GRAD_RTOL, f"{name}: relative gradient error {err:.2e}"
 
 
+def eval_worker(rank, world_size, family, input_ids, labels):
+    layout = ParallelLayout.build(world_size)
+    model = SequenceParallelCausalLM(build(family), layout, **NO_LEVERS).eval()
+    with torch.no_grad():
+        return model(**shard_batch(input_ids, layout, labels=labels).as_kwargs()).item()
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_sp_equals_single_process(family, world):
@@ -63,6 +73,16 @@ def test_sp_equals_single_process(family, world):
     results = run_distributed(sp_worker, world, family, world, [(input_ids, labels)], {})
     for loss, grads in results:
         assert_close(loss, grads, ref_loss, ref_grads)
+
+
+def test_eval_loss_not_scaled_by_sp():
+    # Evaluation goes through the same reduction: the plain model's eval loss, not sp_size times it.
+    input_ids, labels = make_sequence(50, seed=5, ignore_prefix=20)
+    model = build("qwen3").eval()
+    with torch.no_grad():
+        ref = model(input_ids=input_ids, labels=labels).loss.item()
+    for loss in run_distributed(eval_worker, 4, "qwen3", input_ids, labels):
+        assert abs(loss - ref) <= LOSS_RTOL * ref
 
 
 def test_kv_heads_replicated_when_sp_exceeds_them():

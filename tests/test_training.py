@@ -158,3 +158,22 @@ def test_bad_input_refused_before_heavy_work(tmp_path):
         assert fragment in messages[name], f"{name}: {messages[name]}"
     assert "no network" in messages["model_offline"]
     assert not (tmp_path / "out").exists()  # nothing was written by a refused run
+
+
+def test_train_from_local_folder(tmp_path):
+    # The real loading path (from_pretrained under ZeRO-3's zero.Init, tokenizer from the folder) on a
+    # tiny model saved to disk: no hub needed.
+    from ulysses_lc.tiny import tiny_tokenizer
+    from ulysses_lc.training import tiny_model_config
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "tiny-model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_model_config()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    cfg = tiny_config(tmp_path, model=str(folder), steps=2, export=False)
+    losses = run_distributed(train_worker, 2, cfg)[0]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    # Same weights as the embedded default with seed 0: the same first loss.
+    tiny = run_distributed(train_worker, 2, tiny_config(tmp_path, output_dir=str(tmp_path / "t"), steps=1, export=False))[0]
+    assert abs(losses[0] - tiny[0]) <= 1e-5 * tiny[0]

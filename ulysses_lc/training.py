@@ -134,14 +134,28 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def load_model(name: str, config, dtype: torch.dtype, seed: int):
-    """Weights for `config` (YaRN already applied to it): from the hub/local folder, or fresh for tiny."""
+def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.device, ds_config: dict):
+    """Weights for `config` (YaRN already applied to it): from the hub/local folder, or fresh for tiny.
+
+    Under ZeRO-3 a real model is loaded through transformers' DeepSpeed integration (zero.Init), so each
+    rank only ever holds its partition: eight ranks of an 8B model do not each materialise 16 GB.
+    """
     from transformers import AutoModelForCausalLM
 
     if name == TINY:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # zero.Init reads only the ZeRO and precision settings; without our mpu DeepSpeed would size the batch by
+        # the world size, so the batch keys are left for it to derive.
+        init_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
+        zero3 = HfDeepSpeedConfig(init_config)  # must stay alive while from_pretrained runs
+        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype)
+        del zero3
+        return model
+    return AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype).to(device)
 
 
 # -- schedule and state ----------------------------------------------------------------------------
@@ -257,7 +271,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     )
 
     torch.manual_seed(cfg.seed)
-    hf_model = load_model(cfg.model, model_config, dtype, cfg.seed).to(device)
+    hf_model = load_model(cfg.model, model_config, dtype, cfg.seed, device, ds_config)
     seq_local = -(-cfg.seq_len // sp_size)
     keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else _auto_keep_on_gpu(model_config, seq_local, device)
     model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, keep_on_gpu=keep)
