@@ -1,0 +1,563 @@
+"""One training step on one long sequence: ulysses_lc vs DeepSpeed ALST pieces vs stock transformers.
+
+    python benchmarks/bench_step.py --suite speed  --out results/   # issue 5: step time, TFLOPS, kernel ceiling
+    python benchmarks/bench_step.py --suite memory --out results/   # issue 3: peak memory ladder
+    python benchmarks/bench_step.py --smoke --out /tmp/smoke        # tiny shapes on CPU, every path end to end
+
+Each variant runs in its own subprocess (an out-of-memory step cannot poison the next one) and writes
+one JSON record; the parent skips what no longer fits in --budget-s, prints a table last and writes
+all records to <out>/results.json. What a step is, for every variant: one sequence of `seq` random
+tokens, batch 1, bf16 weights from the same seed, forward + backward + torch.optim.AdamW(fused=True)
+step. Timed: one step after one warm-up step ("full": warm-up at the same length; "short": warm-up at
+8k tokens, used where one step takes a minute, so the timed step also builds that length's attention
+plans). Peak: torch.cuda.max_memory_allocated over the timed step (reset after warm-up, optimizer state
+already allocated). GB are 1e9 bytes.
+
+Importable pieces: `build_model`, `setup_ours`, `setup_alst`, `setup_stock`, `bench_attention_kernel`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+IGNORE_INDEX = -100
+
+# Public configs (ANCHORS.md); rope_theta 1e6, tied embeddings for both.
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1000),
+}
+SHORT_WARMUP_TOKENS = 8192
+GB = 1e9
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_model(shape: str, num_layers: int | None = None, seed: int = 0):
+    """Random-weight bf16 Qwen3 causal LM of a public shape, built directly on the device."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    kw = dict(SHAPES[shape])
+    if num_layers:
+        kw["num_hidden_layers"] = num_layers
+    config = Qwen3Config(**kw, max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True,
+                         use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(_device()):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.train()
+    return model
+
+
+def random_tokens(seq_len: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def _cudnn_first():
+    """SDPA backend priority with cuDNN first (what ulysses_lc's kernel='auto' applies on Hopper)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
+# ---- the three step implementations: each returns (batch_fn(ids_cpu) -> batch, fwd_bwd(batch) -> loss) ----
+
+def setup_ours(model, layout, **levers):
+    """ulysses_lc.SequenceParallelCausalLM with the given levers (defaults: all on)."""
+    from ulysses_lc import SequenceParallelCausalLM, shard_batch
+
+    wrapper = SequenceParallelCausalLM(model, layout, **levers)
+
+    def batch_fn(ids):
+        return shard_batch(ids, layout).to(_device()).as_kwargs()
+
+    def fwd_bwd(batch):
+        loss = wrapper(**batch)
+        loss.backward()
+        return loss
+
+    return wrapper, batch_fn, fwd_bwd
+
+
+def setup_alst(model, logits_shard_gib: float = 1.0):
+    """DeepSpeed's ALST pieces at sp 1, wired as deepspeed.runtime.sequence_parallel.ulysses_sp documents them.
+
+    - TiledMLP: the docstring's monkey patch of the MLP forward, shards = ceil(seqlen / hidden) agreed
+      by an all-reduce MAX (one .item() per layer call, as documented).
+    - TiledFusedLogitsLoss: loss from hidden states in shards of ~1 GiB fp32 logits (ArcticTraining's
+      slice size), output_reduction="sum" divided by the valid-token count (the docstring's advice
+      when shards may hold different numbers of valid labels).
+    - HF non-reentrant gradient checkpointing with DeepSpeed's CheckpointHiddenStatesOffload
+      (offload_activations.py): one manager for every step, forward and backward inside it.
+    - cuDNN-first SDPA priority around forward and backward (so the checkpoint recompute agrees).
+    """
+    import deepspeed  # noqa: F401  (accelerator setup)
+    import torch.distributed as dist
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager,
+    )
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+    from transformers.models.qwen3 import modeling_qwen3
+
+    def mlp_forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def tiled_mlp_forward(self, x):
+        bs, seqlen, hidden = x.shape
+        num_shards = math.ceil(seqlen / hidden)
+        tensor = torch.tensor(num_shards, device=x.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        num_shards = tensor.item()
+        compute_params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+        return TiledMLP.apply(mlp_forward, self, x, num_shards, compute_params)
+
+    modeling_qwen3.Qwen3MLP.forward = tiled_mlp_forward
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offload_ctx = get_checkpoint_hidden_states_offloading_ctx_manager()
+    vocab = model.config.vocab_size
+
+    def loss_fn(lm_model, x, y):
+        logits = lm_model.lm_head(x).float()
+        return F.cross_entropy(logits.view(-1, vocab), y.view(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def batch_fn(ids):
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        return {k: v.to(_device()) for k, v in dict(input_ids=ids, labels=labels, position_ids=positions).items()}
+
+    def fwd_bwd(batch):
+        labels = batch["labels"]
+        shards = max(1, math.ceil(labels.numel() * vocab * 4 / 2**30 / logits_shard_gib))
+        with _cudnn_first(), offload_ctx:
+            hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                 use_cache=False).last_hidden_state
+            loss_sum = TiledFusedLogitsLoss.apply(loss_fn, model, hidden, labels, None, shards,
+                                                  [model.lm_head.weight], "sum")
+            loss = loss_sum / (labels != IGNORE_INDEX).sum()
+            loss.backward()
+        return loss
+
+    fwd_bwd.offload_ctx = offload_ctx
+    return model, batch_fn, fwd_bwd
+
+
+def setup_stock(model):
+    """Stock transformers: non-reentrant gradient checkpointing, SDPA in torch's default backend order,
+    the model's own loss over full logits (labels shifted inside)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def batch_fn(ids):
+        ids = ids.to(_device())
+        return dict(input_ids=ids, labels=ids)
+
+    def fwd_bwd(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        return loss
+
+    return model, batch_fn, fwd_bwd
+
+
+# ---- attention kernel ceiling ----
+
+def bench_attention_kernel(lengths, backends, q_heads=16, kv_heads=8, head_dim=128, iters=3):
+    """Causal SDPA fwd+bwd TF/s per (length, backend), GQA through enable_gqa (expanded KV if refused).
+
+    FLOPs: 3.5 x the causal forward's 2*L^2*heads*head_dim (ANCHORS.md convention)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev, dtype = _device(), torch.bfloat16
+    rows = []
+    for length in lengths:
+        for name in backends:
+            backend = getattr(SDPBackend, name)
+            g = torch.Generator(device=dev).manual_seed(length)
+            q = torch.randn(1, q_heads, length, head_dim, device=dev, dtype=dtype, generator=g).requires_grad_()
+            k = torch.randn(1, kv_heads, length, head_dim, device=dev, dtype=dtype, generator=g).requires_grad_()
+            v = torch.randn(1, kv_heads, length, head_dim, device=dev, dtype=dtype, generator=g).requires_grad_()
+            dout = torch.randn_like(q)
+            row = dict(length=length, backend=name, gqa="enable_gqa")
+
+            def once(expand):
+                kk = k.repeat_interleave(q_heads // kv_heads, 1) if expand else k
+                vv = v.repeat_interleave(q_heads // kv_heads, 1) if expand else v
+                with sdpa_kernel([backend]):
+                    out = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=not expand)
+                    out.backward(dout)
+                q.grad = k.grad = v.grad = None
+
+            try:
+                expand = False
+                try:
+                    once(expand)  # warm-up (plan build, autotune)
+                except RuntimeError:
+                    expand, row["gqa"] = True, "expanded"
+                    once(expand)
+                times = []
+                n = iters if length <= 131072 else max(1, iters - 1)
+                for _ in range(n):
+                    if dev.type == "cuda":
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                    t0 = time.perf_counter()
+                    once(expand)
+                    if dev.type == "cuda":
+                        end.record()
+                        end.synchronize()
+                        times.append(start.elapsed_time(end) / 1e3)
+                    else:
+                        times.append(time.perf_counter() - t0)
+                times.sort()
+                t = times[len(times) // 2]
+                flops = 3.5 * 2.0 * length * length * q_heads * head_dim
+                row.update(status="ok", fwd_bwd_s=t, tflops=flops / t / 1e12, iters=n)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                row.update(status="error", error=str(e).splitlines()[0][:300])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del q, k, v, dout
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ---- one variant, in its own process ----
+
+def _init_dist():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+
+
+def _host_gb():
+    import psutil
+
+    return psutil.Process().memory_info().rss / GB, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def _attention_ops(fwd_bwd, batch):
+    """Which SDPA implementation ran: aten op names under the profiler (CPU activity only, no CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fwd_bwd(batch)
+    names = {e.key: e.count for e in prof.key_averages() if "scaled_dot_product" in e.key}
+    return names
+
+
+def run_variant(spec: dict) -> dict:
+    """Build, warm up, time one step; never raises (OOM and errors become the record's status)."""
+    rec = dict(spec)
+    rec.update(status="error", phase="setup")
+    dev = _device()
+    try:
+        _init_dist()
+        if spec["kind"] == "kernel":
+            rec["rows"] = bench_attention_kernel(spec["lengths"], spec["backends"])
+            rec["status"] = "ok"
+            return rec
+        from ulysses_lc import ParallelLayout
+        from ulysses_lc.metrics import model_flops_per_step
+
+        layout = ParallelLayout.build(1)
+        model = build_model(spec["shape"], spec.get("layers"))
+        config = model.config
+        rec["layers"] = config.num_hidden_layers
+        if spec["kind"] == "ours":
+            module, batch_fn, fwd_bwd = setup_ours(model, layout, **spec.get("levers", {}))
+        elif spec["kind"] == "alst":
+            module, batch_fn, fwd_bwd = setup_alst(model)
+        elif spec["kind"] == "stock":
+            module, batch_fn, fwd_bwd = setup_stock(model)
+        else:
+            raise ValueError(f"unknown kind {spec['kind']}")
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-5, fused=True)
+        seq = spec["seq"]
+        vocab = config.vocab_size
+
+        def step(batch, do_opt=True):
+            loss = fwd_bwd(batch)
+            if do_opt:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        if spec.get("probe"):
+            rec["phase"] = "probe"
+            probe_len = min(4096, seq)
+            rec["attention_ops"] = _attention_ops(fwd_bwd, batch_fn(random_tokens(probe_len, vocab, seed=7)))
+            optimizer.zero_grad(set_to_none=True)
+
+        rec["phase"] = "warmup"
+        warm_len = seq if spec.get("warmup", "full") == "full" else min(SHORT_WARMUP_TOKENS, seq)
+        rec["warmup_tokens"] = warm_len
+        _sync()
+        t0 = time.perf_counter()
+        loss_w = step(batch_fn(random_tokens(warm_len, vocab)))
+        _sync()
+        rec["warmup_s"] = time.perf_counter() - t0
+        rec["loss_warmup"] = float(loss_w)
+
+        rec["phase"] = "measure"
+        batch = batch_fn(random_tokens(seq, vocab))
+        _sync()
+        if dev.type == "cuda":
+            rec["static_gb"] = torch.cuda.memory_allocated() / GB  # params + optimizer state (+ batch)
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        loss = step(batch)
+        _sync()
+        step_s = time.perf_counter() - t0
+        rec["step_s"] = step_s
+        rec["loss"] = float(loss)
+        if dev.type == "cuda":
+            rec["peak_gb"] = torch.cuda.max_memory_allocated() / GB
+            rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+        rec["host_rss_gb"], rec["host_maxrss_gb"] = _host_gb()
+        if spec["kind"] == "ours" and getattr(module, "checkpointing", None) is not None:
+            rec["offload_report"] = module.checkpointing.report()
+        if hasattr(fwd_bwd, "offload_ctx"):
+            rec["offload_report"] = vars(fwd_bwd.offload_ctx.stats)
+        flops = model_flops_per_step(config, seq)
+        rec["tflops_model"] = flops.model / step_s / 1e12
+        rec["tflops_hardware"] = flops.hardware / step_s / 1e12
+        rec["tflops_effective"] = flops.effective / step_s / 1e12
+        rec["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - a benchmark records every failure and moves on
+        rec["status"] = "oom" if _is_oom(e) else "error"
+        rec["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-600:]
+        if rec["status"] == "error":
+            rec["traceback"] = traceback.format_exc()[-3000:]
+        if dev.type == "cuda":
+            rec["peak_gb_at_failure"] = torch.cuda.max_memory_allocated() / GB
+        try:
+            rec["host_rss_gb"], rec["host_maxrss_gb"] = _host_gb()
+        except Exception:  # noqa: BLE001
+            pass
+    return rec
+
+
+# ---- suites ----
+
+def _v(name, kind, seq, est_s, shape="qwen3-0.6b", **kw):
+    return dict(name=name, kind=kind, seq=seq, est_s=est_s, shape=shape, **kw)
+
+
+K = 1024
+ALL_LEVERS = {}
+CHUNK_ONLY = dict(tiled_mlp=False, offload=False)  # checkpointing on: stock recipe + chunked loss
+CHUNK_OFFLOAD = dict(tiled_mlp=False)
+
+SUITES = {
+    # issue 5, in priority order; est_s from ANCHORS step times + ~15 s process start and model build.
+    "speed": [
+        dict(name="kernel", kind="kernel", lengths=[64 * K, 128 * K, 256 * K],
+             backends=["CUDNN_ATTENTION", "FLASH_ATTENTION"], est_s=45),
+        _v("ours@64k", "ours", 64 * K, 30, probe=True),
+        _v("alst@64k", "alst", 64 * K, 35, probe=True),
+        _v("stock@64k", "stock", 64 * K, 30, probe=True),
+        _v("ours@128k", "ours", 128 * K, 50),
+        _v("alst@128k", "alst", 128 * K, 62),
+        _v("ours@256k", "ours", 256 * K, 90, warmup="short"),
+        _v("stock@128k", "stock", 128 * K, 20),
+        _v("alst@256k", "alst", 256 * K, 105, warmup="short"),
+    ],
+    # issue 3, in priority order.
+    "memory": [
+        _v("ours@32k", "ours", 32 * K, 20),
+        _v("ours-full-logits@32k", "ours", 32 * K, 22, levers=dict(chunked_loss=False)),
+        _v("stock@32k", "stock", 32 * K, 20),
+        _v("L1-chunk@256k/2L", "ours", 256 * K, 22, layers=2, levers=CHUNK_ONLY),
+        _v("L2-chunk+offload@256k/2L", "ours", 256 * K, 22, layers=2, levers=CHUNK_OFFLOAD),
+        _v("L3-all@256k/2L", "ours", 256 * K, 22, layers=2),
+        _v("ours@256k/1L", "ours", 256 * K, 15, layers=1),
+        _v("ours-4B@512k/1L", "ours", 512 * K, 45, shape="qwen3-4b", layers=1, warmup="short"),
+        _v("ours@1M/1L", "ours", 1024 * K, 60, layers=1, warmup="short"),
+    ],
+    "smoke": [
+        dict(name="kernel", kind="kernel", lengths=[256], backends=["MATH"], est_s=30),
+        _v("ours", "ours", 256, 30, shape="tiny", probe=True),
+        _v("ours-full-logits", "ours", 256, 30, shape="tiny", levers=dict(chunked_loss=False)),
+        _v("ours-chunk-only", "ours", 256, 30, shape="tiny", levers=CHUNK_ONLY),
+        _v("alst", "alst", 256, 40, shape="tiny", probe=True),
+        _v("stock", "stock", 256, 30, shape="tiny", probe=True, warmup="short"),
+    ],
+}
+
+
+def _child_env():
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cuda")
+    return env
+
+
+def run_suite(variants, out_dir: Path, budget_s: float, log) -> list[dict]:
+    deadline = time.monotonic() + budget_s
+    results = []
+    for spec in variants:
+        left = deadline - time.monotonic()
+        if left < spec["est_s"]:
+            results.append(dict(spec, status="skipped", reason=f"{left:.0f} s left < estimated {spec['est_s']} s"))
+            print(f"[skip] {spec['name']}: {results[-1]['reason']}", flush=True)
+            continue
+        rec_path = out_dir / f".{spec['name'].replace('/', '_').replace('@', '_')}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec), "--child-out", str(rec_path)]
+        t0 = time.monotonic()
+        print(f"[run ] {spec['name']} (est {spec['est_s']} s, {left:.0f} s left)", flush=True)
+        try:
+            proc = subprocess.run(cmd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=max(5.0, left - 3))
+            output, rc = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            output = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+            rc = "timeout"
+        wall = time.monotonic() - t0
+        log.write(f"===== {spec['name']} rc={rc} wall={wall:.1f}s\n{output}\n")
+        log.flush()
+        if rec_path.exists():
+            rec = json.loads(rec_path.read_text())
+            rec_path.unlink()
+        else:
+            rec = dict(spec, status="timeout" if rc == "timeout" else "crashed", returncode=rc,
+                       output_tail=(output or "")[-1500:])
+        rec["wall_s"] = wall
+        results.append(rec)
+        print(f"[done] {spec['name']}: {rec['status']} in {wall:.0f} s {_short(rec)}", flush=True)
+    return results
+
+
+def _short(r):
+    if r.get("kind") == "kernel":
+        return " ".join(f"{x['length'] // K}k/{x['backend'][:5]}={x.get('tflops', 0):.0f}TF" for x in r.get("rows", []))
+    bits = []
+    for key, fmt in (("step_s", "{:.2f}s"), ("peak_gb", "{:.1f}GB"), ("tflops_effective", "eff {:.0f}TF"),
+                     ("error", "{}")):
+        if r.get(key) is not None:
+            bits.append(fmt.format(r[key]) if key != "error" else r[key].splitlines()[-1][:160])
+    return " ".join(bits)
+
+
+def format_table(results) -> str:
+    """Plain-text table of the step variants, then the kernel rows."""
+    head = (f"{'variant':28} {'status':8} {'seq':>8} {'L':>3} {'step s':>8} {'peak GB':>8} {'static':>7} "
+            f"{'host GB':>8} {'TF model':>9} {'TF eff':>7} {'loss':>7}  attention op")
+    lines = [head, "-" * len(head)]
+    kernels = []
+    for r in results:
+        if r.get("kind") == "kernel":
+            kernels.extend(r.get("rows", []))
+            if r["status"] != "ok":
+                lines.append(f"{r['name']:28} {r['status']:8}")
+            continue
+
+        def f(key, fmt):
+            value = r.get(key)
+            return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+        peak = f("peak_gb", ".1f")
+        if r.get("peak_gb") is None and r.get("peak_gb_at_failure") is not None:
+            peak = f("peak_gb_at_failure", ".1f") + "*"
+        ops = ",".join(k.replace("aten::_scaled_dot_product_", "") for k in (r.get("attention_ops") or {}))
+        lines.append(
+            f"{r['name']:28} {r['status']:8} {r.get('seq', 0):>8} {r.get('layers', r.get('layers', '-')) or '-':>3} "
+            f"{f('step_s', '.2f'):>8} {peak:>8} {f('static_gb', '.1f'):>7} {f('host_maxrss_gb', '.1f'):>8} "
+            f"{f('tflops_model', '.0f'):>9} {f('tflops_effective', '.0f'):>7} {f('loss', '.4f'):>7}  {ops}"
+        )
+    if kernels:
+        lines += ["", f"{'attention kernel':28} {'length':>8} {'fwd+bwd s':>10} {'TF/s':>7}  gqa"]
+        for k in kernels:
+            t = k.get("fwd_bwd_s")
+            lines.append(f"{k['backend']:28} {k['length']:>8} {t if t is None else format(t, '.3f'):>10} "
+                         f"{k.get('tflops', float('nan')):>7.0f}  {k.get('gqa')} {k.get('error', '')}")
+    lines.append("(* = peak before the failure)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=sorted(SUITES), default="speed")
+    p.add_argument("--smoke", action="store_true", help="the tiny CPU suite (same as --suite smoke)")
+    p.add_argument("--only", nargs="*", help="run only these variant names")
+    p.add_argument("--budget-s", type=float, default=540.0, help="skip variants that no longer fit in this time")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        rec = run_variant(json.loads(args.child))
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        Path(args.child_out).write_text(json.dumps(rec, indent=1, default=str))
+        print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}, default=str), flush=True)
+        if rec.get("traceback"):
+            print(rec["traceback"], flush=True)
+        return
+    suite = "smoke" if args.smoke else args.suite
+    variants = [v for v in SUITES[suite] if not args.only or v["name"] in args.only]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(suite=suite, torch=torch.__version__, cuda=torch.version.cuda,
+                device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                started=time.strftime("%Y-%m-%d %H:%M:%S"), budget_s=args.budget_s)
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    with open(out / f"log_{suite}.txt", "w") as log:
+        results = run_suite(variants, out, args.budget_s, log)
+    (out / f"results_{suite}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1, default=str))
+    table = format_table(results)
+    (out / f"table_{suite}.txt").write_text(table + "\n")
+    print(json.dumps(meta))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
