@@ -20,7 +20,7 @@ CONFIG = {
 }
 
 
-NO_LEVERS = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False)
+NO_LEVERS = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False, efficient_norm=False)
 ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True, min_offload_bytes=0)
 
 

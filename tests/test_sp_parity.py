@@ -35,7 +35,7 @@ def reference(family, input_ids, labels, **overrides):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-NO_LEVERS = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False)
+NO_LEVERS = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False, efficient_norm=False)
 
 
 def sp_worker(rank, world_size, family, sp_size, sequences, overrides, levers=NO_LEVERS):

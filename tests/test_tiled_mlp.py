@@ -81,9 +81,12 @@ def test_params_only_need_grad_and_frozen_input():
 
 
 def test_auto_num_tiles_rule():
-    # Qwen3-4B: intermediate 9728 / hidden 2560 -> 4 tiles, each tile's intermediate <= x.
-    assert auto_num_tiles(262_144, 2560, 9728) == 4
-    assert auto_num_tiles(3, 2560, 9728) == 3
+    # Qwen3-4B: 4 x 9728 / 2560 -> 16 tiles, each tile's intermediate about a quarter of x.
+    assert auto_num_tiles(262_144, 2560, 9728) == 16
+    # Qwen3-0.6B at 1M tokens: 12 tiles.
+    assert auto_num_tiles(1_048_576, 1024, 3072) == 12
+    # Short sequences: no tile under 1024 tokens.
+    assert auto_num_tiles(3000, 2560, 9728) == 3
     assert auto_num_tiles(100, 64, 32) == 1
 
 

@@ -19,6 +19,7 @@ from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
 from .offload import enable_checkpointing
+from .rmsnorm import install_memory_efficient_rmsnorm
 from .tiled_mlp import install_tiled_mlp
 
 
@@ -46,6 +47,7 @@ class SequenceParallelCausalLM(nn.Module):
       checkpointing: non-reentrant activation checkpointing of every decoder layer.
       offload: checkpointed layer inputs wait in host memory, except the last `keep_on_gpu` layers
         (and tensors under `min_offload_bytes`).
+      efficient_norm: RMSNorms save their bf16 input instead of fp32 copies (rmsnorm.py).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class SequenceParallelCausalLM(nn.Module):
         offload: bool = True,
         keep_on_gpu: int = 0,
         min_offload_bytes: int | None = None,
+        efficient_norm: bool = True,
     ):
         super().__init__()
         check_model_for_ulysses(model.config, layout.sp_size)
@@ -72,6 +75,8 @@ class SequenceParallelCausalLM(nn.Module):
         # Also at sp_size 1: the attention kernel (and its backend priority) is then ours.
         self.attention = UlyssesAttention(layout, kernel=kernel)
         self._undo.append(self.attention.apply(model))
+        if efficient_norm:
+            self._undo.append(install_memory_efficient_rmsnorm(model))
         if chunked_loss:
             self._undo.append(install_chunked_loss_head(model, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:

@@ -13,10 +13,13 @@ An MLP acts on each token on its own, so computing it tile by tile along s is ex
 holds for a sparse MoE block: routing is per token (top-k over that token's router logits), so
 a token's output does not depend on which other tokens share its tile.
 
-Tile rule: tiles = ceil(i / h), capped at s. Then one tile's intermediate [b, s/tiles, i] is no
-larger than the layer input [b, s, h] itself, which the layer holds anyway, so the MLP never
-sets the layer's peak; more tiles would only shrink launch sizes. It does not depend on s, so
-all ranks agree on it without a collective.
+Tile rule: tiles = ceil(4 i / h), but no tile shorter than MIN_TILE_TOKENS. A tile's backward
+holds about four to six [t, i] tensors at once (gate, up, act(gate), their product and their
+gradients), so a tile intermediate of a quarter of the layer input [s, h] keeps the MLP's working
+set near one layer input. The first rule, ceil(i / h), left 3 tiles of [s/3, i] on the Qwen3-0.6B
+shape: measured on an H200 at 256k it removed only 16 of the ~70 KB per token that one layer's
+recompute and backward hold (BENCHMARKS.md). The floor keeps each tile's matmuls large enough to
+run at full rate. Every rank of an SP group holds the same s, so they agree without a collective.
 
 ZeRO-3: each TiledMLP is marked a ZeRO-3 "leaf" module, so DeepSpeed gathers all of the MLP's
 parameters once in the wrapper's forward pre-hook (and once before its backward) and does not
@@ -34,9 +37,13 @@ import torch
 import torch.nn as nn
 
 
+MIN_TILE_TOKENS = 1024
+
+
 def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
-    """Tiles so that one tile's [t, intermediate] is no larger than the layer input [s, hidden]."""
-    return max(1, min(seq_len, math.ceil(intermediate_size / hidden_size)))
+    """Tiles so that one tile's [t, intermediate] is about a quarter of the layer input [s, hidden]."""
+    by_width = math.ceil(4 * intermediate_size / hidden_size)
+    return max(1, min(by_width, math.ceil(seq_len / MIN_TILE_TOKENS)))
 
 
 def _tile_bounds(seq_len: int, num_tiles: int) -> list[tuple[int, int]]:
