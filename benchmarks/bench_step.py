@@ -412,6 +412,8 @@ SUITES = {
         _v("ours@256k/1L", "ours", 256 * K, 15, layers=1),
         _v("ours-4B@512k/1L", "ours", 512 * K, 45, shape="qwen3-4b", layers=1, warmup="short"),
         _v("ours@1M/1L", "ours", 1024 * K, 60, layers=1, warmup="short"),
+        # Added after the first ladder: the 4-layer 1M target, with the bf16-saving RMSNorm and 4 i/h MLP tiles.
+        _v("ours@1M/4L", "ours", 1024 * K, 200, layers=4, warmup="short"),
     ],
     "smoke": [
         dict(name="kernel", kind="kernel", lengths=[256], backends=["MATH"], est_s=30),

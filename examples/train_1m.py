@@ -40,7 +40,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--yarn-factor", type=float, help="YaRN factor (default: seq-len / the model's trained length)")
     p.add_argument("--kernel", default=d.kernel, choices=["auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3"],
                    help="attention kernel (auto: cuDNN SDPA on Hopper)")
-    p.add_argument("--keep-on-gpu", type=int, help="checkpointed layers kept on the GPU (default: as many as fit)")
+    p.add_argument("--keep-on-gpu", type=int, help="checkpointed layers whose input stays on the GPU (default: as many as fit)")
+    p.add_argument("--recompute-layers", type=int,
+                   help="layers checkpointed and recomputed in backward (default: only as many as memory requires)")
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")

@@ -161,3 +161,37 @@ def test_cuda_offload_bitwise_equal(keep_on_gpu):
         assert torch.equal(loss, ckpt_loss)
         assert all(torch.equal(grads[n], ckpt_grads[n]) for n in grads)
     assert handle.pinned and handle.host_bytes == (LAYERS - keep_on_gpu) * B * S * H * 4
+
+
+def test_partial_recompute_matches_plain():
+    # recompute_layers=1 of 3: layer 0 checkpointed and offloaded, layers 1-2 keep their activations.
+    ids = _input_ids()
+    ref_model = _model()
+    ref_loss = ref_model(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    model = _model()
+    handle = enable_checkpointing(model, offload=True, min_offload_bytes=0, recompute_layers=1)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, False]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert handle.host_bytes == B * S * H * 4 and handle.report()["plain_layers"] == 2
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="keep_on_gpu=2 must be in"):
+        handle.configure(recompute_layers=1, keep_on_gpu=2)
+
+
+def test_memory_plan_arithmetic():
+    from transformers import Qwen3Config
+
+    from ulysses_lc.offload import plan_activation_memory
+
+    shape = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128)
+    # 1M tokens on one H200 with ~120 GB free: every layer recomputed, as many inputs kept as fit.
+    assert plan_activation_memory(shape, 1 << 20, 120e9) == (28, 14)
+    # 128k tokens: most layers skip the recompute, the checkpointed rest keep their inputs on the GPU.
+    assert plan_activation_memory(shape, 1 << 17, 120e9) == (9, 9)
+    # No room beyond one layer's working set: recompute and offload everything.
+    assert plan_activation_memory(shape, 1 << 20, 10e9) == (28, 0)

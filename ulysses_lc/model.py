@@ -44,7 +44,8 @@ class SequenceParallelCausalLM(nn.Module):
       chunked_loss: loss from hidden states in row chunks, never the [tokens x vocab] logits (True =
         automatic chunk rows, or an int).
       tiled_mlp: each MLP runs over sequence tiles (None = automatic tile count, or an int).
-      checkpointing: non-reentrant activation checkpointing of every decoder layer.
+      checkpointing: non-reentrant activation checkpointing of the first `recompute_layers` decoder layers
+        (default all; `self.checkpointing.configure` changes the plan later).
       offload: checkpointed layer inputs wait in host memory, except the last `keep_on_gpu` layers
         (and tensors under `min_offload_bytes`).
       efficient_norm: RMSNorms save their bf16 input instead of fp32 copies (rmsnorm.py).
@@ -61,6 +62,7 @@ class SequenceParallelCausalLM(nn.Module):
         checkpointing: bool = True,
         offload: bool = True,
         keep_on_gpu: int = 0,
+        recompute_layers: int | None = None,
         min_offload_bytes: int | None = None,
         efficient_norm: bool = True,
     ):
@@ -84,7 +86,9 @@ class SequenceParallelCausalLM(nn.Module):
         self.checkpointing = None
         if checkpointing:
             extra = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
-            self.checkpointing = enable_checkpointing(model, offload=offload, keep_on_gpu=keep_on_gpu, **extra)
+            self.checkpointing = enable_checkpointing(
+                model, offload=offload, keep_on_gpu=keep_on_gpu, recompute_layers=recompute_layers, **extra
+            )
             self._undo.append(self.checkpointing.undo)
 
     @property

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-_DEFAULT_MIN_OFFLOAD_BYTES = 1 << 20
+_DEFAULT_MIN_OFFLOAD_BYTES = 1 << 18  # real layer inputs are GBs; tiny runs still exercise the hooks
 
 
 class _LayerSaved:
@@ -69,6 +69,7 @@ class CheckpointHandle:
         self.layers = list(layers)
         self.offload = offload
         self.keep_on_gpu = keep_on_gpu
+        self.recompute_layers = len(self.layers)
         self.min_offload_bytes = min_offload_bytes
         self.checkpoint_kwargs = checkpoint_kwargs
         self.host_bytes = 0
@@ -88,7 +89,7 @@ class CheckpointHandle:
             # (or will consume separately), so start a fresh chain and a fresh byte count.
             last = None
             self.host_bytes = 0
-        keep = index >= len(self.layers) - self.keep_on_gpu
+        keep = index >= self.recompute_layers - self.keep_on_gpu
         saved = _LayerSaved(index, keep, last)
         self._last_saved = weakref.ref(saved)
         with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, saved), self._unpack):
@@ -172,14 +173,33 @@ class CheckpointHandle:
 
     def report(self) -> dict:
         """Layers checkpointed and offloaded, and host bytes of the latest forward pass."""
-        n = len(self.layers)
+        n = self.recompute_layers
         return {
+            "plain_layers": len(self.layers) - n,
             "checkpointed_layers": n,
             "offloaded_layers": n - self.keep_on_gpu if self.offload else 0,
             "kept_on_device_layers": self.keep_on_gpu if self.offload else n,
             "host_bytes": self.host_bytes,
             "pinned": self.pinned,
         }
+
+    def configure(self, recompute_layers: int | None = None, keep_on_gpu: int | None = None) -> None:
+        """Change the memory plan between steps (e.g. once the optimizer state is allocated).
+
+        recompute_layers: the first this-many layers are checkpointed; the later ones keep all their
+            activations and skip the recompute (faster, needed first in backward, so they free first).
+        keep_on_gpu: of the checkpointed layers, the last this-many keep their input on the device.
+        """
+        n = len(self.layers)
+        recompute = n if recompute_layers is None else recompute_layers
+        keep = self.keep_on_gpu if keep_on_gpu is None else keep_on_gpu
+        if not 0 <= recompute <= n:
+            raise ValueError(f"recompute_layers={recompute} must be in [0, {n}] (the number of decoder layers).")
+        if not 0 <= keep <= recompute:
+            raise ValueError(f"keep_on_gpu={keep} must be in [0, recompute_layers={recompute}].")
+        self.recompute_layers, self.keep_on_gpu = recompute, keep
+        for index, layer in enumerate(self.layers):
+            layer.gradient_checkpointing = index < recompute
 
     def undo(self) -> None:
         """Restore each layer's checkpointing attributes as they were before."""
@@ -214,11 +234,13 @@ def enable_checkpointing(
     keep_on_gpu: int = 0,
     min_offload_bytes: int = _DEFAULT_MIN_OFFLOAD_BYTES,
     checkpoint_kwargs: dict | None = None,
+    recompute_layers: int | None = None,
 ) -> CheckpointHandle:
     """Turn on non-reentrant activation checkpointing for every decoder layer, optionally offloaded.
 
     offload: keep each layer's checkpointed input in host memory between forward and backward.
-    keep_on_gpu: the last this-many layers (needed first in backward) are not offloaded.
+    keep_on_gpu: the last this-many checkpointed layers (needed first in backward) are not offloaded.
+    recompute_layers: checkpoint only the first this-many layers (default all); see CheckpointHandle.configure.
     min_offload_bytes: saved tensors smaller than this stay on the device.
     checkpoint_kwargs: extra arguments for torch.utils.checkpoint.checkpoint (non-reentrant only).
 
@@ -228,8 +250,6 @@ def enable_checkpointing(
     in 5.24), and it also installs an input-embedding hook that only reentrant checkpointing needs.
     """
     layers = _checkpointable_layers(model)
-    if not 0 <= keep_on_gpu <= len(layers):
-        raise ValueError(f"keep_on_gpu={keep_on_gpu} must be in [0, {len(layers)}] (the number of decoder layers).")
     checkpoint_kwargs = dict(checkpoint_kwargs or {})
     if checkpoint_kwargs.pop("use_reentrant", False):
         raise ValueError(
@@ -238,12 +258,49 @@ def enable_checkpointing(
         )
     checkpoint_kwargs["use_reentrant"] = False
     handle = CheckpointHandle(model, layers, offload, keep_on_gpu, min_offload_bytes, checkpoint_kwargs)
-    for index, layer in enumerate(layers):
+    for layer in layers:
         before = {name: layer.__dict__.get(name, _MISSING) for name in ("gradient_checkpointing", "_gradient_checkpointing_func")}
         handle._restore.append((layer, before))
-        layer.gradient_checkpointing = True
+    try:
+        handle.configure(recompute_layers, keep_on_gpu)
+    except ValueError:
+        handle.undo()
+        raise
+    for index, layer in enumerate(layers):
         layer._gradient_checkpointing_func = functools.partial(handle._checkpoint_layer, index)
     return handle
 
 
-__all__ = ["CheckpointHandle", "enable_checkpointing"]
+def plan_activation_memory(config, seq_local: int, free_bytes: int, headroom: float = 0.8) -> tuple[int, int]:
+    """(recompute_layers, keep_on_gpu) for a step allowed `free_bytes` more device memory.
+
+    Skipping a layer's recompute saves a layer forward (a fifth to a quarter of the step at long
+    context), but that layer then keeps all its activations. The plan first reserves one layer's
+    recompute + backward working set and the loss chunk, then turns recompute off for as many (last)
+    layers as fit, then keeps as many checkpointed inputs on the device as fit; the rest are offloaded.
+    Bytes per local token from the layer shape (h hidden, q = heads x head_dim, kv likewise), bf16:
+      plain layer    2 (4h + 3q + 3kv) x 1.25  (inputs of the norms and projections, q/k/v, attention output)
+      working set    2 (8h + 6q + 6kv) + 4q    (+ cuDNN's fp32 dq accumulator); measured 54 KB/token on
+                     the Qwen3-0.6B shape (H200, BENCHMARKS.md) against 61 KB by this formula
+      kept input     2h
+    Only `headroom` of the free memory is planned for (allocator fragmentation, collectives' buffers).
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h = cfg.hidden_size
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q = cfg.num_attention_heads * head_dim
+    kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
+    layers = cfg.num_hidden_layers
+    working = seq_local * (2 * (8 * h + 6 * q + 6 * kv) + 4 * q) + (1 << 30)
+    plain = seq_local * 2 * (4 * h + 3 * q + 3 * kv) * 1.25
+    kept = seq_local * 2 * h
+    avail = free_bytes * headroom - working
+    if avail <= 0:
+        return layers, 0
+    n_plain = min(layers, int(avail // plain))
+    avail -= n_plain * plain
+    recompute = layers - n_plain
+    return recompute, min(recompute, int(avail // kept))
+
+
+__all__ = ["CheckpointHandle", "enable_checkpointing", "plan_activation_memory"]

@@ -29,6 +29,7 @@ from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .layout import ParallelLayout
 from .metrics import StepLogger, measure_peak_bf16_tflops, model_flops_per_step
 from .model import SequenceParallelCausalLM
+from .offload import plan_activation_memory
 from .sharding import shard_batch
 from .yarn import apply_yarn
 
@@ -61,7 +62,8 @@ class TrainConfig:
     seed: int = 0
     yarn_factor: float | None = None
     kernel: str = "auto"
-    keep_on_gpu: int | None = None  # None: as many checkpointed layers as fit, see _auto_keep_on_gpu
+    keep_on_gpu: int | None = None  # None: from the memory plan, see _memory_plan
+    recompute_layers: int | None = None  # None: from the memory plan
     cache_dir: str | None = None
     tensorboard: bool = False
     export: bool = True
@@ -217,18 +219,22 @@ def check_output_dir(cfg: TrainConfig) -> Path:
     return out
 
 
-def _auto_keep_on_gpu(model_config, seq_local: int, device: torch.device) -> int:
-    """Checkpointed layer inputs that stay on the GPU: what fits in a third of the memory free after loading.
+def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.device, num_params: int, world: int):
+    """(recompute_layers, keep_on_gpu): flags win; otherwise offload.plan_activation_memory on the free memory.
 
-    Each kept layer costs s_local * hidden * 2 bytes (bf16); the rest of the free memory is left to one
-    layer's recompute and backward, the loss and the optimizer step. Without CUDA: 0 (offload everything,
-    which on a CPU only exercises the code path).
+    Called after deepspeed.initialize; AdamW's two fp32 moments (8 bytes per parameter, partitioned over
+    all ranks) are allocated at the first step, so they are subtracted here. Without CUDA: checkpoint and
+    offload everything (on a CPU that only exercises the code path).
     """
+    layers = model_config.num_hidden_layers
     if device.type != "cuda":
-        return 0
-    free, _ = torch.cuda.mem_get_info(device)
-    per_layer = seq_local * model_config.hidden_size * 2
-    return int(min(model_config.num_hidden_layers, (free // 3) // max(per_layer, 1)))
+        plan = (layers, 0)
+    else:
+        free, _ = torch.cuda.mem_get_info(device)
+        plan = plan_activation_memory(model_config, seq_local, free - 8 * num_params // world)
+    recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan[0]
+    keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan[1], recompute)
+    return recompute, keep
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -272,9 +278,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
 
     torch.manual_seed(cfg.seed)
     hf_model = load_model(cfg.model, model_config, dtype, cfg.seed, device, ds_config)
-    seq_local = -(-cfg.seq_len // sp_size)
-    keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else _auto_keep_on_gpu(model_config, seq_local, device)
-    model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, keep_on_gpu=keep)
+    num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in hf_model.parameters())
+    model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel)
 
     optimizer = None
     if "optimizer" not in ds_config:
@@ -287,6 +292,11 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
         config=ds_config, mpu=layout.mpu,
     )
+    engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
+    recompute, keep = _memory_plan(cfg, model_config, -(-cfg.seq_len // sp_size), device, num_params, world)
+    model.checkpointing.configure(recompute_layers=recompute, keep_on_gpu=keep)
+    if rank0:
+        logger.info("memory plan: %s", model.checkpointing.report())
 
     start_step = 0
     if cfg.resume:
@@ -325,7 +335,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
             record = step_logger.log(
                 step + 1, loss=loss_value, step_time_s=step_time,
                 grad_norm=None if grad_norm is None else float(grad_norm),
-                lr=scheduler.get_last_lr()[0],
+                lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
             )
             stream.position += layout.dp_size
             if record is not None:
