@@ -1,7 +1,9 @@
-"""A full DeepSpeed ZeRO-3 engine on CPU: SP=2 on 2 ranks follows the 1-rank loss trajectory.
+"""A full DeepSpeed ZeRO-3 engine on CPU: SP=2 on 2 ranks against the same engine on 1 rank.
 
-Both runs start from the same weights and train the same sequence for 3 optimizer steps (AdamW,
-gradient clipping on, so a wrong gradient scale would show in the trajectory). Tolerance 1e-4 relative.
+Both runs start from the same weights and train the same sequence for 3 optimizer steps. Checked:
+every parameter's gradient after the first backward, as ZeRO-3 reduced it (1e-4 relative norm: this is
+what catches a wrong reduction divisor, which AdamW's scale invariance would hide from the losses), and
+the loss trajectory (1e-4 relative).
 """
 
 import torch
@@ -34,24 +36,37 @@ def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=check_deepspeed_config(CONFIG, layout), mpu=layout.mpu
     )
-    losses = []
+    from deepspeed.utils import safe_get_full_grad
+
+    losses, grads = [], None
     for _ in range(STEPS):
         batch = shard_batch(input_ids, layout)
         loss = engine(**batch.as_kwargs())
         engine.backward(loss)
+        if grads is None:  # collective: every rank gathers every gradient
+            grads = {name.replace(".mlp.mlp.", ".mlp."): safe_get_full_grad(p).clone()
+                     for name, p in engine.module.named_parameters()}
         engine.step()
         losses.append(loss.item())
-    return losses
+    return losses, grads
+
+
+def assert_same_run(parallel, single):
+    single_losses, single_grads = single
+    assert single_losses[0] != single_losses[-1]  # it trained
+    for losses, grads in parallel:
+        for a, b in zip(losses, single_losses):
+            assert abs(a - b) <= 1e-4 * abs(b), (losses, single_losses)
+        assert grads.keys() == single_grads.keys()
+        for name, ref in single_grads.items():
+            err = (grads[name] - ref).norm() / ref.norm().clamp(min=1e-12)
+            assert err <= 1e-4, f"{name}: relative gradient error {err:.2e}"
 
 
 def test_zero3_sp2_matches_one_rank():
     input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(0))
     (single,) = run_distributed(engine_worker, 1, 1, input_ids)
-    parallel = run_distributed(engine_worker, 2, 2, input_ids)
-    assert single[0] != single[-1]  # it trained
-    for losses in parallel:
-        for a, b in zip(losses, single):
-            assert abs(a - b) <= 1e-4 * abs(b), (losses, single)
+    assert_same_run(run_distributed(engine_worker, 2, 2, input_ids), single)
 
 
 def test_zero3_sp2_all_levers_matches_one_rank_plain():
@@ -59,7 +74,4 @@ def test_zero3_sp2_all_levers_matches_one_rank_plain():
     # layer (leaf modules); a gather or reduction missed there would change the trajectory.
     input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
     (single,) = run_distributed(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_moe")
-    parallel = run_distributed(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_moe")
-    for losses in parallel:
-        for a, b in zip(losses, single):
-            assert abs(a - b) <= 1e-4 * abs(b), (losses, single)
+    assert_same_run(run_distributed(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_moe"), single)

@@ -113,7 +113,7 @@ def test_backward_reads_the_host_copy(references):
 
 def test_small_tensors_stay_and_second_step_recounts():
     model = _model()
-    handle = enable_checkpointing(model, offload=True)  # default 1 MiB threshold > 4 KiB inputs
+    handle = enable_checkpointing(model, offload=True)  # default 256 KiB threshold > 4 KiB inputs
     _loss_and_grads(model, _input_ids())
     assert handle.host_bytes == 0
 

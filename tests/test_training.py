@@ -109,6 +109,7 @@ def bad_input_worker(rank, world_size, cfg_dict, tmp):
         "micro": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}},
         "stage": {"zero_optimization": {"stage": 2}},
         "sp": {"zero_optimization": {"stage": 3}, "sequence_parallel_size": 4},
+        "ga": {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4},
     }
     for name, body in configs.items():
         with open(f"{tmp}/{name}.json", "w") as f:
@@ -117,7 +118,8 @@ def bad_input_worker(rank, world_size, cfg_dict, tmp):
     open(f"{tmp}/taken/checkpoints/latest", "w").write("step2")
     cases = {
         "sp_not_dividing_world": replace(cfg, sp_size=3),
-        "seq_shorter_than_sp": replace(cfg, seq_len=1),
+        "seq_too_short": replace(cfg, seq_len=1),
+        "ds_grad_accumulation": replace(cfg, ds_config=f"{tmp}/ga.json"),
         "missing_data": replace(cfg, data=f"{tmp}/nope.txt"),
         "too_few_tokens": replace(cfg, data=f"{tmp}/few.npy"),
         "ds_micro_batch": replace(cfg, ds_config=f"{tmp}/micro.json"),
@@ -142,7 +144,8 @@ def bad_input_worker(rank, world_size, cfg_dict, tmp):
 
 EXPECTED = {
     "sp_not_dividing_world": "pick sp_size in",
-    "seq_shorter_than_sp": "at least 2 tokens",
+    "seq_too_short": "at least 2 tokens",
+    "ds_grad_accumulation": "gradient_accumulation_steps=4",
     "missing_data": "no file or folder exists",
     "too_few_tokens": "one step needs seq_len=2,048",
     "ds_micro_batch": "set it to 1",

@@ -80,8 +80,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         valid_rows = (labels_t != IGNORE_INDEX).nonzero().squeeze(1)
         labels_valid = labels_t.index_select(0, valid_rows)
         n_valid = valid_rows.numel()
-        # One host sync for the whole call: a bad label would otherwise index out of range
-        # inside gather (a device-side assert on GPU, far from its cause).
+        # Two host syncs for the whole call (the nonzero above sizes the valid rows; this check reads
+        # one bool): a bad label would otherwise index out of range inside gather (a device-side
+        # assert on GPU, far from its cause).
         if n_valid and bool(((labels_valid < 0) | (labels_valid >= v)).any()):
             raise ValueError(
                 f"labels must be in [0, {v}) or IGNORE_INDEX={IGNORE_INDEX}; got "

@@ -576,9 +576,9 @@ def _build_or_reuse(paths, src, tokenizer, want, key_fields, chunk_chars, progre
         except OSError:
             pass
         raise
-    finally:
-        if dist is not None:
-            dist.barrier()
+    # Only on success: after a failure the waiting ranks read the error marker and fail on their own.
+    if dist is not None:
+        dist.barrier()
     return hit
 
 
@@ -589,21 +589,22 @@ def _initialized_dist():
 
 
 def _wait_for(paths: _CachePaths, timeout_s: float, poll_s: float) -> None:
-    dist = _initialized_dist()
-    if dist is not None:
-        dist.barrier()  # local rank 0 reaches it after building (or failing)
+    # Poll the file rather than sit in a collective: tokenizing a large source can outlast the process
+    # group's timeout (30 min under DeepSpeed), which would end in a watchdog error instead of this message.
     started = time.time()
     while not _cache_complete(paths):
         # An error marker from an earlier, unrelated failure is older than this wait; ignore it.
         if paths.error.exists() and paths.error.stat().st_mtime >= started - 300:
             raise RuntimeError(f"local rank 0 failed to build the token cache {paths.key}: {paths.error.read_text()}")
-        if dist is not None or time.time() - started > timeout_s:
+        if time.time() - started > timeout_s:
             raise RuntimeError(
-                f"no complete token cache at {paths.meta} after "
-                f"{'the barrier' if dist is not None else f'{timeout_s:.0f} s'}; is local rank 0 building "
+                f"no complete token cache at {paths.meta} after {timeout_s:.0f} s; is local rank 0 building "
                 "into the same cache_dir (on the same filesystem)?"
             )
         time.sleep(poll_s)
+    dist = _initialized_dist()
+    if dist is not None:
+        dist.barrier()  # pairs with local rank 0's barrier after a successful build
 
 
 def _read_cache(paths: _CachePaths) -> np.ndarray:

@@ -58,10 +58,11 @@ def check_deepspeed_config(config: dict, layout: ParallelLayout, gradient_accumu
         )
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage", 0)
-    if layout.sp_size > 1 and stage != 3:
+    if stage != 3:
         raise ValueError(
-            f"zero_optimization.stage={stage} with sp_size={layout.sp_size}: DeepSpeed's stage 0-2 gradient "
-            "reduction divides by the data-parallel size only, which does not match the sequence-parallel loss; "
+            f"zero_optimization.stage={stage}: ulysses_lc trains on ZeRO-3 only. Under sequence parallelism "
+            "DeepSpeed's stage 0-2 gradient reduction divides by the data-parallel size only, which does not "
+            "match the sequence-parallel loss, and the tiled MLP's once-per-layer reduction relies on ZeRO-3; "
             "use stage 3 (see ds_configs/)."
         )
     if layout.sp_size > 1 and zero.get("reduce_scatter", True) is False:

@@ -189,9 +189,11 @@ class CheckpointHandle:
         recompute_layers: the first this-many layers are checkpointed; the later ones keep all their
             activations and skip the recompute (faster, needed first in backward, so they free first).
         keep_on_gpu: of the checkpointed layers, the last this-many keep their input on the device.
+        None leaves a setting as it is. Every rank of a run must use the same plan: recompute repeats the
+        layer's collectives (Ulysses all-to-all, ZeRO-3 gathers), so ranks that differ would deadlock.
         """
         n = len(self.layers)
-        recompute = n if recompute_layers is None else recompute_layers
+        recompute = self.recompute_layers if recompute_layers is None else recompute_layers
         keep = self.keep_on_gpu if keep_on_gpu is None else keep_on_gpu
         if not 0 <= recompute <= n:
             raise ValueError(f"recompute_layers={recompute} must be in [0, {n}] (the number of decoder layers).")

@@ -49,16 +49,16 @@ def _efficient_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
 
 
+# Classes whose forward is exactly "weight * normalised.to(input dtype)" (checked against transformers 5.17
+# and 5.24). Others look alike but differ: Gemma's (1 + weight), Olmo2/3 and gpt-oss cast after the weight.
+_LLAMA_ORDER_RMSNORMS = {
+    "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
+    "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
+}
+
+
 def _is_rmsnorm(module: nn.Module) -> bool:
-    # transformers' Llama-style RMSNorm (Qwen2/3, Qwen3-MoE, Llama, Mistral): a weight, variance_epsilon,
-    # and the "weight * normalised" form. Gemma's (1 + weight) variant has another class name and is left alone.
-    name = type(module).__name__
-    return (
-        name.endswith("RMSNorm")
-        and not name.startswith("Gemma")
-        and isinstance(getattr(module, "weight", None), nn.Parameter)
-        and hasattr(module, "variance_epsilon")
-    )
+    return type(module).__name__ in _LLAMA_ORDER_RMSNORMS and isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
 def install_memory_efficient_rmsnorm(model: nn.Module):

@@ -25,9 +25,10 @@ ZeRO-3: each TiledMLP is marked a ZeRO-3 "leaf" module, so DeepSpeed gathers all
 parameters once in the wrapper's forward pre-hook (and once before its backward) and does not
 register hooks on the inner Linear layers. `deepspeed.zero.GatheredParameters` around the tile
 loop is not enough: the inner modules' own post-forward hooks would release the weights after
-every tile and the next tile would gather them again. In backward each parameter is marked
-`ds_grad_is_ready = False` until the last tile, so ZeRO-3 reduces its gradient once per layer
-rather than once per tile.
+every tile and the next tile would gather them again. A leaf module's parameters get no
+per-parameter reduction hooks either: ZeRO-3 reduces them once, in the wrapper's backward hook,
+after the last tile. (We still mark `ds_grad_is_ready = False` until the last tile, the flag
+DeepSpeed's own TiledMLP sets, in case a version hooks the parameters after all.)
 """
 
 import math

@@ -196,7 +196,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_output_dir(cfg: TrainConfig) -> Path:
+def check_output_dir(cfg: TrainConfig, sp_size: int, world_size: int) -> Path:
     """Refuse to overwrite another run's checkpoints; on --resume, require the same run."""
     out = Path(cfg.output_dir)
     run_file = out / RUN_FILE
@@ -210,28 +210,33 @@ def check_output_dir(cfg: TrainConfig) -> Path:
         raise ValueError(f"--resume: {out} holds no checkpoint to resume from; drop --resume to start a new run.")
     if cfg.resume and run_file.exists():
         saved = json.loads(run_file.read_text())
-        for key in ("model", "seq_len", "sp_size", "data"):
-            if saved.get(key) != getattr(cfg, key):
+        # The ZeRO-3 partitions and the DP split of the data follow the world size and sp_size.
+        now = {"model": cfg.model, "seq_len": cfg.seq_len, "data": cfg.data, "sp_size": sp_size, "world_size": world_size}
+        for key, value in now.items():
+            if saved.get(key) != value:
                 raise ValueError(
                     f"--resume: the checkpoint in {out} was trained with {key}={saved.get(key)!r}, not "
-                    f"{getattr(cfg, key)!r}; resume with the same settings or use another --output-dir."
+                    f"{value!r}; resume with the same settings (number of GPUs included) or use another --output-dir."
                 )
     return out
 
 
-def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.device, num_params: int, world: int):
+def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.device, num_params: int,
+                 layout: ParallelLayout):
     """(recompute_layers, keep_on_gpu): flags win; otherwise offload.plan_activation_memory on the free memory.
 
     Called after deepspeed.initialize; AdamW's two fp32 moments (8 bytes per parameter, partitioned over
-    all ranks) are allocated at the first step, so they are subtracted here. Without CUDA: checkpoint and
-    offload everything (on a CPU that only exercises the code path).
+    all ranks) are allocated at the first step, so they are subtracted here. Every rank plans from the
+    smallest free memory of any rank: ranks with different plans would deadlock in the recompute's
+    collectives. Without CUDA: checkpoint and offload everything (on a CPU that only exercises the path).
     """
     layers = model_config.num_hidden_layers
     if device.type != "cuda":
         plan = (layers, 0)
     else:
-        free, _ = torch.cuda.mem_get_info(device)
-        plan = plan_activation_memory(model_config, seq_local, free - 8 * num_params // world)
+        free = torch.tensor(torch.cuda.mem_get_info(device)[0], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
+        plan = plan_activation_memory(model_config, seq_local, int(free) - 8 * num_params // layout.world_size)
     recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan[0]
     keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan[1], recompute)
     return recompute, keep
@@ -259,9 +264,10 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ds_config = _resolve_precision(check_deepspeed_config(ds_raw, layout), dtype)
+    # One optimizer step per sequence per DP group: the loop, schedule and checkpoints count in those steps.
+    ds_config = _resolve_precision(check_deepspeed_config(ds_raw, layout, gradient_accumulation_steps=1), dtype)
     _check_optimizer_block(ds_config, cfg)
-    out = check_output_dir(cfg)
+    out = check_output_dir(cfg, sp_size, world)
     if cfg.seq_len < sp_size:
         raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
 
@@ -293,7 +299,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         config=ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
-    recompute, keep = _memory_plan(cfg, model_config, -(-cfg.seq_len // sp_size), device, num_params, world)
+    recompute, keep = _memory_plan(cfg, model_config, -(-cfg.seq_len // sp_size), device, num_params, layout)
     model.checkpointing.configure(recompute_layers=recompute, keep_on_gpu=keep)
     if rank0:
         logger.info("memory plan: %s", model.checkpointing.report())
@@ -308,7 +314,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
             logger.info("resumed from step %d", start_step)
     elif rank0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), "sp_size": cfg.sp_size}, indent=2))
+        (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), "sp_size": sp_size, "world_size": world}, indent=2))
 
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size.
     flops = model_flops_per_step(model_config, cfg.seq_len)
