@@ -5,7 +5,6 @@ import os
 from dataclasses import replace
 
 import numpy as np
-import pytest
 import torch
 
 from tests._dist import run_distributed
