@@ -285,6 +285,8 @@ def plan_activation_memory(config, seq_local: int, free_bytes: int, headroom: fl
       working set    2 (8h + 6q + 6kv) + 4q    (+ cuDNN's fp32 dq accumulator); measured 54 KB/token on
                      the Qwen3-0.6B shape (H200, BENCHMARKS.md) against 61 KB by this formula
       kept input     2h
+    plus the chunked loss: its fp32 weight gradient (vocab x h x 4 bytes), the hidden-state gradient it
+    computes in forward (2h per token) and ~1 GiB of logits per chunk.
     Only `headroom` of the free memory is planned for (allocator fragmentation, collectives' buffers).
     """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -293,7 +295,8 @@ def plan_activation_memory(config, seq_local: int, free_bytes: int, headroom: fl
     q = cfg.num_attention_heads * head_dim
     kv = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * head_dim
     layers = cfg.num_hidden_layers
-    working = seq_local * (2 * (8 * h + 6 * q + 6 * kv) + 4 * q) + (1 << 30)
+    loss = getattr(cfg, "vocab_size", 0) * h * 4 + seq_local * 2 * h + (1 << 30)
+    working = seq_local * (2 * (8 * h + 6 * q + 6 * kv) + 4 * q) + loss
     plain = seq_local * 2 * (4 * h + 3 * q + 3 * kv) * 1.25
     kept = seq_local * 2 * h
     avail = free_bytes * headroom - working
