@@ -190,3 +190,14 @@ def test_train_from_local_folder(tmp_path):
     tiny = losses_of(run_distributed(
         train_worker, 2, tiny_config(tmp_path, output_dir=str(tmp_path / "t"), steps=1, export=False))[0])
     assert abs(losses[0] - tiny[0]) <= 1e-5 * tiny[0]
+
+
+def test_optimizer_offload_config(tmp_path):
+    # ds_configs/zero3_offload_optimizer.json: DeepSpeed's CPU Adam (built on first use) takes --lr through
+    # the "auto" optimizer block and follows the same trajectory as torch AdamW under zero3.json.
+    base = tiny_config(tmp_path, steps=2, export=False, seq_len=1024)
+    plain = losses_of(run_distributed(train_worker, 2, base)[0])
+    offload = replace(base, output_dir=str(tmp_path / "offload"), ds_config="ds_configs/zero3_offload_optimizer.json")
+    offloaded = losses_of(run_distributed(train_worker, 2, offload)[0])
+    assert offloaded[0] == plain[0]  # same weights, same data, before any update
+    np.testing.assert_allclose(offloaded, plain, rtol=1e-3)

@@ -389,7 +389,8 @@ def _resolve_precision(ds_config: dict, dtype: torch.dtype) -> dict:
 
 
 def _check_optimizer_block(ds_config: dict, cfg: TrainConfig) -> None:
-    """A DeepSpeed "optimizer" block (needed for optimizer offload) takes --lr; a different lr there is refused."""
+    """A DeepSpeed "optimizer" block (needed for optimizer offload: DeepSpeed's CPU Adam) takes --lr and
+    --weight-decay where it says "auto"; a different lr there is refused."""
     block = ds_config.get("optimizer")
     if block is None:
         return
@@ -399,7 +400,8 @@ def _check_optimizer_block(ds_config: dict, cfg: TrainConfig) -> None:
             f"the DeepSpeed config's optimizer has lr={params['lr']} but --lr is {cfg.lr}; set it to \"auto\"."
         )
     params["lr"] = cfg.lr
-    params.setdefault("weight_decay", cfg.weight_decay)
+    if params.get("weight_decay", "auto") == "auto":
+        params["weight_decay"] = cfg.weight_decay
     if "scheduler" in ds_config:
         raise ValueError("the DeepSpeed config has a scheduler block; remove it, --lr-schedule sets the schedule.")
 
