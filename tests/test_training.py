@@ -201,3 +201,24 @@ def test_optimizer_offload_config(tmp_path):
     offloaded = losses_of(run_distributed(train_worker, 2, offload)[0])
     assert offloaded[0] == plain[0]  # same weights, same data, before any update
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
+
+
+def test_data_parallel_run(tmp_path):
+    # sp_size=1 on 2 ranks: two DP groups train different windows; the logged loss is their mean.
+    cfg = tiny_config(tmp_path, steps=2, export=False, seq_len=1024, sp_size=1)
+    records = run_distributed(train_worker, 2, cfg)[0]
+    assert [r["tokens"] for r in records] == [2048, 2048]
+    # The first step's loss is the mean of the plain model's losses on windows 0 and 1 (one per DP rank).
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_lc.data import build_token_stream
+    from ulysses_lc.tiny import tiny_tokenizer
+    from ulysses_lc.training import tiny_model_config
+
+    stream = build_token_stream("tiny", tiny_tokenizer(), 1024, num_steps=4, cache_dir=cfg.cache_dir, progress=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config())
+    with torch.no_grad():
+        plain = [model(input_ids=w[None], labels=w[None]).loss.item() for w in (stream.sequence(0), stream.sequence(1))]
+    assert plain[0] != plain[1]
+    assert abs(records[0]["loss"] - sum(plain) / 2) <= 1e-5 * records[0]["loss"]
