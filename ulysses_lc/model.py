@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import UlyssesAttention, check_model_for_ulysses
+from .attention import UlyssesAttention
 from .chunked_loss import ChunkedLossHead, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
@@ -67,7 +67,6 @@ class SequenceParallelCausalLM(nn.Module):
         efficient_norm: bool = True,
     ):
         super().__init__()
-        check_model_for_ulysses(model.config, layout.sp_size)
         if offload and not checkpointing:
             raise ValueError("offload=True moves checkpointed activations to the host; it needs checkpointing=True.")
         self.model = model

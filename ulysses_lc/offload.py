@@ -41,6 +41,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .layers import decoder_layers
+
 _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 18  # real layer inputs are GBs; tiny runs still exercise the hooks
 
 
@@ -220,11 +222,10 @@ _MISSING = object()
 def _checkpointable_layers(model: nn.Module) -> nn.ModuleList:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
+    layers = decoder_layers(model, "enable_checkpointing")
+    if not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
         raise ValueError(
-            f"{type(model).__name__} has no `model.layers` of transformers GradientCheckpointingLayer; "
+            f"{type(model).__name__}'s layers are not transformers GradientCheckpointingLayer; "
             "enable_checkpointing supports transformers v5 decoder models laid out like Llama/Qwen3."
         )
     return layers

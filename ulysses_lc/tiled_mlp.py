@@ -37,6 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .layers import decoder_layers
+
 
 MIN_TILE_TOKENS = 1024
 
@@ -148,17 +150,6 @@ def _add_wrapper_prefix(module, state_dict, prefix, local_metadata, strict, miss
         state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"{type(model).__name__} has no `model.layers` ModuleList; tiled MLP supports decoder-only "
-            "transformers models laid out like Llama/Qwen3 (model.model.layers[i].mlp)."
-        )
-    return layers
-
-
 def _mlp_width(mlp: nn.Module, config) -> int:
     """Per-token intermediate width of a dense MLP or a sparse MoE block."""
     width = getattr(mlp, "intermediate_size", None)
@@ -177,7 +168,7 @@ def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Callabl
     Call it before `deepspeed.initialize`: ZeRO-3 registers its gather hooks then, and needs to
     see the TiledMLP wrappers as leaf modules.
     """
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model, "tiled MLP")
     config = model.config
     if getattr(config, "output_router_logits", False):
         raise ValueError(
