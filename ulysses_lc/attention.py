@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .layers import text_config
 from .layout import ParallelLayout, check_heads
 
 logger = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ _LOCAL_LAYER_TYPES = {"sliding_attention", "chunked_attention", "linear_attentio
 
 def check_model_for_ulysses(config, sp_size: int) -> None:
     """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     if sp_size > 1 and cfg._attn_implementation == "eager":
         raise ValueError(
             "the model was loaded with attn_implementation='eager', whose dense masks cannot be split across "

@@ -1,4 +1,4 @@
-"""Where a transformers decoder keeps its layers: the one lookup the per-layer levers share."""
+"""Where a transformers decoder keeps its layers and its text config: lookups the levers share."""
 
 import torch.nn as nn
 
@@ -16,3 +16,9 @@ def decoder_layers(model: nn.Module, lever: str) -> nn.ModuleList:
             "transformers models laid out like Llama/Qwen3 (model.model.layers[i])."
         )
     return layers
+
+
+def text_config(config):
+    """The language model's config: multimodal configs nest it, text-only ones are it."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config

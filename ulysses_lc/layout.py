@@ -121,13 +121,6 @@ class ParallelLayout:
     def dp_rank(self) -> int:
         return self.rank // self.sp_size
 
-    def check_model(self, config) -> None:
-        """Raise ValueError unless this model's attention heads split over sp_size."""
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text_config.num_attention_heads
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-        check_heads(heads, kv_heads, self.sp_size)
-
     @property
     def mpu(self) -> "DeepSpeedMPU":
         """The object `deepspeed.initialize(mpu=...)` expects for sequence parallelism."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .layers import text_config
+
 
 @dataclass(frozen=True)
 class FlopsPerStep:
@@ -43,12 +45,6 @@ class FlopsPerStep:
         return self.attention / self.model
 
 
-def _text_config(config):
-    # Multimodal configs nest the language model's config; text-only ones return themselves.
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
 def _is_moe_layer(cfg, layer: int) -> bool:
     # Qwen2/3-MoE rule: a layer is sparse unless listed in mlp_only_layers, every
     # decoder_sparse_step-th layer, when the model has experts at all.
@@ -66,7 +62,7 @@ def matmul_params(config) -> tuple[int, int]:
     (gate, up, down); MoE MLP: router D*num_experts + num_experts_per_tok * 3*D*moe_intermediate
     (+ 3*D*shared_expert_intermediate_size where the config has a shared expert).
     """
-    cfg = _text_config(config)
+    cfg = text_config(config)
     hidden = cfg.hidden_size
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -100,7 +96,7 @@ def model_flops_per_step(config, seq_len: int, *, recompute: bool = True) -> Flo
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1")
-    cfg = _text_config(config)
+    cfg = text_config(config)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     n_layers_params, n_head_params = matmul_params(cfg)

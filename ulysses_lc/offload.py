@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import decoder_layers
+from .layers import decoder_layers, text_config
 
 _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 18  # real layer inputs are GBs; tiny runs still exercise the hooks
 
@@ -290,7 +290,7 @@ def plan_activation_memory(config, seq_local: int, free_bytes: int, headroom: fl
     computes in forward (2h per token) and ~1 GiB of logits per chunk.
     Only `headroom` of the free memory is planned for (allocator fragmentation, collectives' buffers).
     """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     h = cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q = cfg.num_attention_heads * head_dim
