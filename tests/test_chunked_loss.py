@@ -3,6 +3,8 @@
 Shape legend: t tokens, h hidden, v vocab.
 Tolerances: fp64 rel 1e-10, fp32 rel 1e-5 (summation order differs between chunks and the
 full matmul; both are well above fp32 round-off for these sizes).
+Also: the forward never reads device values (no host sync), and shard_batch(vocab_size=...) is the
+host-side label range check.
 """
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ulysses_lc.chunked_loss as chunked_loss_module
+from ulysses_lc import ParallelLayout, shard_batch
 from ulysses_lc.chunked_loss import (
     ChunkedLossHead,
     auto_chunk_rows,
@@ -171,3 +175,177 @@ def test_tied_qwen3_every_grad_matches_plain_loss():
     undo()
     assert isinstance(model.lm_head, nn.Linear)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _ignored_heavy_labels(t, v, generator):
+    """~half the rows ignored, plus the first row, the last row and the whole chunk 4..7 (chunk_rows=4)."""
+    labels_t = torch.randint(0, v, (t,), generator=generator)
+    labels_t[torch.rand(t, generator=generator) < 0.5] = IGNORE_INDEX
+    labels_t[0] = labels_t[-1] = IGNORE_INDEX
+    labels_t[4:8] = IGNORE_INDEX
+    return labels_t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ignored_rows_contribute_exactly_nothing(dtype):
+    """Loss and every gradient vs F.cross_entropy (TOL above) with many ignored rows, one chunk wholly
+    ignored and an uneven last chunk; then ignored rows are given huge hidden states and the loss and
+    weight/bias gradients must not move by a single bit (they are masked, not merely small)."""
+    g = torch.Generator().manual_seed(3)
+    t, h, v = 30, 8, 13  # chunk_rows=4: chunks 0..6 full, chunk 7 has 2 rows
+    hidden_th = torch.randn(t, h, generator=g, dtype=dtype)
+    weight_vh = torch.randn(v, h, generator=g, dtype=dtype)
+    bias_v = torch.randn(v, generator=g, dtype=dtype)
+    labels_t = _ignored_heavy_labels(t, v, g)
+    ignored = labels_t == IGNORE_INDEX
+    assert 0 < int((~ignored).sum()) < t - 8
+
+    def run(hidden_values):
+        hidden = hidden_values.clone().requires_grad_()
+        weight = weight_vh.clone().requires_grad_()
+        bias = bias_v.clone().requires_grad_()
+        loss_sum, n_valid = chunked_cross_entropy(hidden, weight, labels_t, bias, chunk_rows=4)
+        (loss_sum * 0.5).backward()
+        return loss_sum.detach(), n_valid, hidden.grad, weight.grad, bias.grad
+
+    loss_sum, n_valid, g_hidden, g_weight, g_bias = run(hidden_th)
+    ref_loss, ref_gh, ref_gw, ref_gb = _reference(hidden_th, weight_vh, bias_v, labels_t)
+    tol = TOL[dtype]
+    assert int(n_valid) == int((~ignored).sum())
+    torch.testing.assert_close(loss_sum, ref_loss, **tol)
+    torch.testing.assert_close(g_hidden, ref_gh * 0.5, **tol)
+    torch.testing.assert_close(g_weight, ref_gw * 0.5, **tol)
+    torch.testing.assert_close(g_bias, ref_gb * 0.5, **tol)
+    assert torch.all(g_hidden[ignored] == 0)
+
+    garbage = hidden_th.clone()
+    garbage[ignored] = 1e3 * torch.randn(int(ignored.sum()), h, generator=g, dtype=dtype)
+    loss2, _, g_hidden2, g_weight2, g_bias2 = run(garbage)
+    torch.testing.assert_close(loss2, loss_sum, rtol=0, atol=0)
+    torch.testing.assert_close(g_weight2, g_weight, rtol=0, atol=0)
+    torch.testing.assert_close(g_bias2, g_bias, rtol=0, atol=0)
+    torch.testing.assert_close(g_hidden2, g_hidden, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("needs_grad", [True, False])
+def test_all_ignored_gives_zero_loss_grads_and_count(needs_grad):
+    g = torch.Generator().manual_seed(4)
+    t, h, v = 10, 8, 13
+    hidden = torch.randn(t, h, generator=g, requires_grad=needs_grad)
+    weight = torch.randn(v, h, generator=g, requires_grad=needs_grad)
+    bias = torch.randn(v, generator=g, requires_grad=needs_grad)
+    loss_sum, n_valid = chunked_cross_entropy(hidden, weight, torch.full((t,), IGNORE_INDEX), bias, chunk_rows=4)
+    assert loss_sum.item() == 0.0 and n_valid.item() == 0 and n_valid.dtype == torch.int64
+    if needs_grad:
+        loss_sum.backward()
+        for param in (hidden, weight, bias):
+            assert torch.all(param.grad == 0)
+
+
+def test_forward_and_backward_read_no_device_values():
+    """Guards the no-host-sync contract of the training step (a sync stalls the GPU queue every step).
+
+    On the 'meta' device tensors have shapes but no values: any nonzero, item, bool(tensor),
+    int(tensor), tolist or value-dependent shape in forward or backward raises there, so a
+    reintroduced sync (e.g. sizing the valid rows with nonzero, or a bool() range check on the
+    device) fails this test. Meta takes the same branch as CUDA (labels not on the CPU).
+    """
+    t, h, v = 20, 8, 13
+    for dtype, with_bias in [(torch.float32, True), (torch.bfloat16, False)]:
+        hidden = torch.empty(t, h, device="meta", dtype=dtype, requires_grad=True)
+        weight = torch.empty(v, h, device="meta", dtype=dtype, requires_grad=True)
+        bias = torch.empty(v, device="meta", dtype=dtype, requires_grad=True) if with_bias else None
+        labels = torch.empty(t, device="meta", dtype=torch.long)
+        loss_sum, n_valid = chunked_cross_entropy(hidden, weight, labels, bias, chunk_rows=6)
+        (loss_sum * 2.0).backward()
+        assert n_valid.device.type == "meta" and n_valid.dtype == torch.int64 and n_valid.shape == ()
+        assert hidden.grad.shape == (t, h) and weight.grad.shape == (v, h) and weight.grad.dtype == dtype
+        if with_bias:
+            assert bias.grad.shape == (v,)
+        with torch.no_grad():
+            chunked_cross_entropy(hidden, weight, labels, bias, chunk_rows=6)
+
+
+def test_cpu_path_reads_values_only_in_the_label_check(monkeypatch):
+    """On real CPU values, with ignored rows: outside the (free on CPU) label range check, forward and
+    backward call none of nonzero / item / tolist / bool / int / float on a tensor, and still match."""
+    g = torch.Generator().manual_seed(5)
+    t, h, v = 30, 8, 13
+    hidden_th = torch.randn(t, h, generator=g, dtype=torch.float64)
+    weight_vh = torch.randn(v, h, generator=g, dtype=torch.float64)
+    labels_t = _ignored_heavy_labels(t, v, g)
+    ref_loss, ref_gh, ref_gw, _ = _reference(hidden_th, weight_vh, None, labels_t)
+    hidden = hidden_th.clone().requires_grad_()
+    weight = weight_vh.clone().requires_grad_()
+
+    checked = []
+    monkeypatch.setattr(chunked_loss_module, "check_labels_in_vocab", lambda labels, vocab: checked.append(vocab))
+
+    def forbidden(name):
+        def raise_(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} reads a device value (a host sync on GPU)")
+
+        return raise_
+
+    with monkeypatch.context() as patch:
+        for name in ("nonzero", "item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+            patch.setattr(torch.Tensor, name, forbidden(name))
+        patch.setattr(torch, "nonzero", forbidden("nonzero"))
+        loss_sum, n_valid = chunked_cross_entropy(hidden, weight, labels_t, chunk_rows=4)
+        loss_sum.backward()
+    assert checked == [v]
+    assert int(n_valid) == int((labels_t != IGNORE_INDEX).sum())
+    torch.testing.assert_close(loss_sum, ref_loss, **TOL[torch.float64])
+    torch.testing.assert_close(hidden.grad, ref_gh, **TOL[torch.float64])
+    torch.testing.assert_close(weight.grad, ref_gw, **TOL[torch.float64])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_forward_backward_without_sync():
+    """The real thing on a GPU: sync debug mode 'error' raises on any synchronizing call."""
+    g = torch.Generator().manual_seed(6)
+    t, h, v = 300, 64, 1000
+    hidden_th = torch.randn(t, h, generator=g, dtype=torch.float64)
+    weight_vh = torch.randn(v, h, generator=g, dtype=torch.float64)
+    bias_v = torch.randn(v, generator=g, dtype=torch.float64)
+    labels_t = _ignored_heavy_labels(t, v, g)
+    labels_t[100:200] = IGNORE_INDEX
+    ref_loss, ref_gh, ref_gw, ref_gb = _reference(hidden_th, weight_vh, bias_v, labels_t)
+    hidden = hidden_th.cuda().requires_grad_()
+    weight = weight_vh.cuda().requires_grad_()
+    bias = bias_v.cuda().requires_grad_()
+    labels = labels_t.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss_sum, n_valid = chunked_cross_entropy(hidden, weight, labels, bias, chunk_rows=64)
+        loss_sum.backward()
+        with torch.no_grad():
+            chunked_cross_entropy(hidden, weight, labels, bias, chunk_rows=64)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert n_valid.device.type == "cuda" and int(n_valid) == int((labels_t != IGNORE_INDEX).sum())
+    tol = TOL[torch.float64]
+    torch.testing.assert_close(loss_sum.cpu(), ref_loss, **tol)
+    torch.testing.assert_close(hidden.grad.cpu(), ref_gh, **tol)
+    torch.testing.assert_close(weight.grad.cpu(), ref_gw, **tol)
+    torch.testing.assert_close(bias.grad.cpu(), ref_gb, **tol)
+
+
+def test_shard_batch_checks_label_range_on_the_host():
+    """Host-side half of the label range check (on a GPU the loss only has a device-side assert)."""
+    v = 50
+    ids = torch.randint(0, v, (1, 9), generator=torch.Generator().manual_seed(7))
+    labels = ids.clone()
+    labels[0, :3] = IGNORE_INDEX
+    for rank in (0, 1):  # every rank checks the whole sequence, so all raise alike
+        layout = ParallelLayout(world_size=2, sp_size=2, rank=rank)
+        batch = shard_batch(ids, layout, labels=labels, vocab_size=v)
+        torch.testing.assert_close(batch.labels, shard_batch(ids, layout, labels=labels).labels, rtol=0, atol=0)
+        for bad_value in (v, v + 7, -1, -5):
+            bad = labels.clone()
+            bad[0, 7] = bad_value  # lands in rank 1's slice after the shift
+            with pytest.raises(ValueError, match=rf"labels must be in \[0, {v}\).*tokenizer matches the model"):
+                shard_batch(ids, layout, labels=bad, vocab_size=v)
+            shard_batch(ids, layout, labels=bad)  # without vocab_size nothing is checked
+    assert shard_batch(ids, ParallelLayout(world_size=1, sp_size=1), vocab_size=v).labels.shape == (1, 9)

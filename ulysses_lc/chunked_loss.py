@@ -31,8 +31,24 @@ accumulation over that many terms loses the small rows' contribution.
 
 When neither hidden nor weight needs a gradient (evaluation) only the first matmul runs.
 
-Rows whose label is IGNORE_INDEX are dropped before the matmuls (the chunks walk the valid
-rows only), so fully ignored stretches such as masked prompts cost nothing.
+Ignored rows and host syncs
+---------------------------
+The chunks walk all t rows, including those labelled IGNORE_INDEX: an ignored row goes through
+the matmuls like any other and is masked out (0 to the loss, exact 0 to every gradient). We pay
+for them because dropping them needs the size of the valid set, which is a host sync (nonzero)
+that stalls the GPU queue every step, while a single long sequence has few ignored rows (the
+last position and the end padding, plus a masked prompt if any). The mask costs no extra pass
+over the [c, v] block: ignored rows subtract +inf instead of their logsumexp before the exp, so
+their softmax comes out as exact zeros in the same pass, and their one-hot is scattered with 0.
+(This needs the hidden states of ignored rows to be finite, which ordinary positions are.)
+
+With labels on a GPU the forward never synchronizes with the host: n_valid stays a device
+tensor and the label range check is a torch._assert_async: a device-side assert that prints
+its message to stderr but surfaces in Python as a generic "device-side assert triggered" at
+some later call, and leaves the CUDA context unusable. The clear check runs on the host where
+the labels are built:
+shard_batch(..., vocab_size=...). With labels on the CPU (tests, CPU runs) reading them is
+free, so the forward raises the clear ValueError itself.
 """
 
 import torch
@@ -56,11 +72,30 @@ def auto_chunk_rows(vocab_size: int, target_bytes: int = _TARGET_CHUNK_LOGITS_BY
     return max(_ROW_MULTIPLE, rows // _ROW_MULTIPLE * _ROW_MULTIPLE)
 
 
+def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless every label other than IGNORE_INDEX is in [0, vocab_size).
+
+    Reads the values: free on CPU tensors, a host sync on a GPU, so call it where the labels are
+    built on the host (shard_batch does with vocab_size=...), not in the training step.
+    """
+    valid = labels != IGNORE_INDEX
+    if bool((valid & ((labels < 0) | (labels >= vocab_size))).any()):
+        labels_valid = labels[valid]
+        raise ValueError(
+            f"labels must be in [0, {vocab_size}) or IGNORE_INDEX={IGNORE_INDEX}; got "
+            f"min={int(labels_valid.min())}, max={int(labels_valid.max())}. Check that the "
+            "tokenizer matches the model and that padding uses IGNORE_INDEX."
+        )
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `hidden_th @ weight_vh.T (+ bias_v)` against `labels_t`.
 
-    Forward communicates nothing. It returns (loss_sum scalar in fp32, fp64 for fp64 inputs;
-    n_valid int64 scalar, non-differentiable) and computes the gradients on the spot.
+    Forward communicates nothing and, with labels on a GPU, never synchronizes with the host.
+    It returns (loss_sum scalar in fp32, fp64 for fp64 inputs; n_valid int64 scalar on the
+    device, non-differentiable) and computes the gradients on the spot. Labels outside
+    [0, v) other than IGNORE_INDEX raise ValueError on CPU and trip a device-side assert
+    (torch._assert_async) on a GPU; the clear check for GPU runs is shard_batch(vocab_size=...).
     Saved for backward (as ctx attributes, on the device of `hidden`): grad_hidden_th in
     hidden's dtype, grad_weight_vh and grad_bias_v in fp32 (fp64 for fp64 inputs), each for
     grad_output = 1.
@@ -77,49 +112,57 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         need_grad_hidden, need_grad_weight, need_grad_bias = ctx.needs_input_grad[:3]
         need_grad_bias = need_grad_bias and bias_v is not None
 
-        valid_rows = (labels_t != IGNORE_INDEX).nonzero().squeeze(1)
-        labels_valid = labels_t.index_select(0, valid_rows)
-        n_valid = valid_rows.numel()
-        # Two host syncs for the whole call (the nonzero above sizes the valid rows; this check reads
-        # one bool): a bad label would otherwise index out of range inside gather (a device-side
-        # assert on GPU, far from its cause).
-        if n_valid and bool(((labels_valid < 0) | (labels_valid >= v)).any()):
-            raise ValueError(
-                f"labels must be in [0, {v}) or IGNORE_INDEX={IGNORE_INDEX}; got "
-                f"min={int(labels_valid.min())}, max={int(labels_valid.max())}. Check that the "
-                "tokenizer matches the model and that padding uses IGNORE_INDEX."
+        valid_t = labels_t != IGNORE_INDEX
+        # A bad label would otherwise index out of range inside gather (a device-side assert on
+        # GPU, far from its cause).
+        if labels_t.device.type == "cpu":
+            check_labels_in_vocab(labels_t, v)  # reading a CPU tensor is no sync
+        else:
+            # No host sync: fails loudly on the device before gather reads out of range. The
+            # clear message comes from the host-side check in shard_batch(..., vocab_size=...).
+            bad_t = (valid_t & ((labels_t < 0) | (labels_t >= v))).any()
+            torch._assert_async(
+                bad_t.logical_not(),
+                f"labels must be in [0, {v}) or IGNORE_INDEX={IGNORE_INDEX}; pass vocab_size to "
+                "shard_batch for a clear error on the host.",
             )
+        # Ignored rows gather/scatter column 0 (any in-range column would do); the mask zeroes them.
+        safe_labels_t = labels_t.clamp(min=0)
+        n_valid_t = valid_t.sum()  # int64 on the device, no sync
 
         loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden_th.device)
-        grad_hidden_th = torch.zeros_like(hidden_th) if need_grad_hidden else None
+        # Every row is written by its chunk (ignored rows with zeros), so no memset is needed.
+        grad_hidden_th = torch.empty((t, h), dtype=dtype, device=hidden_th.device) if need_grad_hidden else None
         grad_weight_vh = (
             torch.zeros(v, h, dtype=acc_dtype, device=weight_vh.device) if need_grad_weight else None
         )
         grad_bias_v = torch.zeros(v, dtype=acc_dtype, device=weight_vh.device) if need_grad_bias else None
         any_grad = need_grad_hidden or need_grad_weight or need_grad_bias
 
-        for start in range(0, n_valid, chunk_rows):
-            rows_c = valid_rows[start : start + chunk_rows]
-            labels_c = labels_valid[start : start + chunk_rows]
-            hidden_ch = hidden_th.index_select(0, rows_c)
+        # A static walk over all t rows: the chunk count never depends on label values.
+        for start in range(0, t, chunk_rows):
+            end = min(start + chunk_rows, t)
+            hidden_ch = hidden_th[start:end]
+            labels_c1 = safe_labels_t[start:end].unsqueeze(1)
+            valid_c = valid_t[start:end]
             logits_cv = F.linear(hidden_ch, weight_vh, bias_v).to(acc_dtype)
             lse_c = torch.logsumexp(logits_cv, dim=-1)
-            target_logit_c = logits_cv.gather(1, labels_c.unsqueeze(1)).squeeze(1)
-            loss_sum += (lse_c - target_logit_c).sum()
+            target_logit_c = logits_cv.gather(1, labels_c1).squeeze(1)
+            loss_sum += torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
             if not any_grad:
                 continue
-            # d loss_row / d logits_row = softmax(logits_row) - onehot(label), built in place
-            # in the fp32 logits buffer so the chunk never holds a second [c, v] fp32 block.
-            dlogits_cv = logits_cv.sub_(lse_c.unsqueeze(1)).exp_()
-            dlogits_cv.scatter_add_(
-                1, labels_c.unsqueeze(1), torch.full_like(lse_c, -1.0).unsqueeze(1)
-            )
+            # d loss_row / d logits_row = mask_row * (softmax(logits_row) - onehot(label)), built in
+            # place in the fp32 logits buffer so the chunk never holds a second [c, v] fp32 block.
+            # Ignored rows subtract +inf: exp gives exact zeros, masking them in the same pass.
+            shift_c = lse_c.masked_fill(valid_c.logical_not(), float("inf"))
+            dlogits_cv = logits_cv.sub_(shift_c.unsqueeze(1)).exp_()
+            dlogits_cv.scatter_add_(1, labels_c1, valid_c.to(acc_dtype).neg_().unsqueeze(1))
             if need_grad_bias:
                 grad_bias_v += dlogits_cv.sum(0)
             dlogits_lowp_cv = dlogits_cv.to(dtype)
             del dlogits_cv, logits_cv
             if need_grad_hidden:
-                grad_hidden_th.index_copy_(0, rows_c, dlogits_lowp_cv @ weight_vh)
+                torch.mm(dlogits_lowp_cv, weight_vh, out=grad_hidden_th[start:end])
             if need_grad_weight:
                 grad_weight_vh += (dlogits_lowp_cv.t() @ hidden_ch).to(acc_dtype)
 
@@ -128,7 +171,6 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         ctx.grad_bias_v = grad_bias_v
         ctx.weight_dtype = weight_vh.dtype
         ctx.bias_dtype = None if bias_v is None else bias_v.dtype
-        n_valid_t = torch.tensor(n_valid, dtype=torch.int64, device=hidden_th.device)
         ctx.mark_non_differentiable(n_valid_t)
         return loss_sum, n_valid_t
 
@@ -236,6 +278,7 @@ __all__ = [
     "ChunkedCrossEntropy",
     "ChunkedLossHead",
     "auto_chunk_rows",
+    "check_labels_in_vocab",
     "chunked_cross_entropy",
     "install_chunked_loss_head",
 ]

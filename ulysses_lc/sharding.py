@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .chunked_loss import check_labels_in_vocab
 from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 
@@ -64,12 +65,17 @@ def shard_batch(
     labels: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     pad_token_id: int = 0,
+    *,
+    vocab_size: int | None = None,
 ) -> ShardedBatch:
     """Shift, pad and slice one batch of full sequences for this rank of the SP group.
 
     input_ids: [b, s] or [s], the whole sequence (every rank of the SP group passes the same one).
     labels: unshifted, in the Hugging Face convention (defaults to input_ids); IGNORE_INDEX is kept.
     position_ids: global positions, one contiguous run per row (default 0..s-1).
+    vocab_size: when given, every shifted label other than IGNORE_INDEX must be in [0, vocab_size)
+        (ValueError otherwise). Pass it: on a GPU the loss only has a device-side assert for this
+        (it must not sync), so this is where a bad label gets a clear error.
     Call on CPU tensors: the checks read values, which on a GPU would be a host sync.
     """
     if input_ids.dim() == 1:
@@ -92,6 +98,10 @@ def shard_batch(
     s_pad = -(-s // sp) * sp
     pad = s_pad - s
     labels = shift_labels(labels)
+    if vocab_size is not None:
+        # On the whole sequence, before slicing: every rank of the SP group raises alike, none is left
+        # waiting in a collective.
+        check_labels_in_vocab(labels, vocab_size)
     if pad:
         input_ids = torch.cat([input_ids, input_ids.new_full((b, pad), pad_token_id)], dim=1)
         labels = torch.cat([labels, labels.new_full((b, pad), IGNORE_INDEX)], dim=1)
