@@ -337,6 +337,20 @@ def run_variant(spec: dict) -> dict:
         rec["warmup_s"] = time.perf_counter() - t0
         rec["loss_warmup"] = float(loss_w)
 
+        if spec.get("plan"):
+            # What the training path does (training._memory_plan): plan from the free device and host memory
+            # once the optimizer state exists. Free device memory includes what the allocator caches.
+            import psutil
+
+            from ulysses_lc.offload import plan_activation_memory
+
+            free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            plan = plan_activation_memory(config, seq, free, host_free_bytes=psutil.virtual_memory().available)
+            module.checkpointing.configure(*plan)
+            rec["plan"] = plan._asdict()
+            _sync()
+            torch.cuda.empty_cache()
+
         rec["phase"] = "measure"
         batch = batch_fn(random_tokens(seq, vocab))
         _sync()
@@ -357,7 +371,11 @@ def run_variant(spec: dict) -> dict:
             rec["offload_report"] = module.checkpointing.report()
         if hasattr(fwd_bwd, "offload_ctx"):
             rec["offload_report"] = vars(fwd_bwd.offload_ctx.stats)
-        flops = model_flops_per_step(config, seq)
+        ckpt = module.checkpointing.report() if spec["kind"] == "ours" and module.checkpointing is not None else None
+        flops = model_flops_per_step(
+            config, seq, recompute_layers=ckpt["checkpointed_layers"] if ckpt else None,
+            cached_attention_layers=ckpt["cached_attention_layers"] if ckpt else 0,
+        )
         rec["tflops_model"] = flops.model / step_s / 1e12
         rec["tflops_hardware"] = flops.hardware / step_s / 1e12
         rec["tflops_effective"] = flops.effective / step_s / 1e12
@@ -401,6 +419,29 @@ SUITES = {
         _v("stock@128k", "stock", 128 * K, 20),
         _v("alst@256k", "alst", 256 * K, 105, warmup="short"),
     ],
+    # issue 5, second pass: the training path's memory plan (plain layers, kept attention outputs) against
+    # the peers in the same run; split in two calls of the 10-minute device limit.
+    "speed2a": [
+        dict(name="kernel", kind="kernel", lengths=[128 * K, 256 * K], backends=["CUDNN_ATTENTION"], est_s=30),
+        _v("ours-plan@64k", "ours", 64 * K, 25, plan=True),
+        _v("stock@64k", "stock", 64 * K, 30),
+        _v("alst@64k", "alst", 64 * K, 35),
+        _v("ours-plan@128k", "ours", 128 * K, 45, plan=True),
+        _v("alst@128k", "alst", 128 * K, 62),
+        _v("ours-kept@128k", "ours", 128 * K, 50, levers=dict(cache_attention_layers=28)),
+    ],
+    "speed2b": [
+        _v("ours-plan@256k", "ours", 256 * K, 80, warmup="short", plan=True),
+        _v("alst@256k", "alst", 256 * K, 105, warmup="short"),
+        _v("ours-plan-4B@128k", "ours", 128 * K, 75, shape="qwen3-4b", warmup="short", plan=True),
+        _v("alst-4B@128k", "alst", 128 * K, 80, shape="qwen3-4b", warmup="short"),
+    ],
+    # issue 3, second pass: the limits with exact-size pinned buffers and the prefetch after attention backward.
+    "memory2": [
+        _v("ours@1M/4L", "ours", 1024 * K, 185, layers=4, warmup="short"),
+        _v("ours@2M/1L", "ours", 2048 * K, 220, layers=1, warmup="short"),
+        _v("ours-4B@512k/2L", "ours", 512 * K, 70, shape="qwen3-4b", layers=2, warmup="short"),
+    ],
     # issue 3, in priority order.
     "memory": [
         _v("ours@32k", "ours", 32 * K, 20),
@@ -420,6 +461,7 @@ SUITES = {
         _v("ours", "ours", 256, 30, shape="tiny", probe=True),
         _v("ours-full-logits", "ours", 256, 30, shape="tiny", levers=dict(chunked_loss=False)),
         _v("ours-chunk-only", "ours", 256, 30, shape="tiny", levers=CHUNK_ONLY),
+        _v("ours-kept-attention", "ours", 256, 30, shape="tiny", levers=dict(cache_attention_layers=2)),
         _v("alst", "alst", 256, 40, shape="tiny", probe=True),
         _v("stock", "stock", 256, 30, shape="tiny", probe=True, warmup="short"),
     ],
@@ -503,6 +545,10 @@ def format_table(results) -> str:
         if r.get("peak_gb") is None and r.get("peak_gb_at_failure") is not None:
             peak = f("peak_gb_at_failure", ".1f") + "*"
         ops = ",".join(k.replace("aten::_scaled_dot_product_", "") for k in (r.get("attention_ops") or {}))
+        rep = r.get("offload_report") or {}
+        if "checkpointed_layers" in rep:  # ours: recomputed / kept on GPU / kept attention outputs
+            ops = (f"ckpt {rep['checkpointed_layers']} gpu {rep['kept_on_device_layers']} "
+                   f"kept-attn {rep.get('cached_attention_layers', 0)} {ops}").strip()
         lines.append(
             f"{r['name']:28} {r['status']:8} {r.get('seq', 0):>8} {r.get('layers', r.get('layers', '-')) or '-':>3} "
             f"{f('step_s', '.2f'):>8} {peak:>8} {f('static_gb', '.1f'):>7} {f('host_maxrss_gb', '.1f'):>8} "

@@ -43,6 +43,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--keep-on-gpu", type=int, help="checkpointed layers whose input stays on the GPU (default: as many as fit)")
     p.add_argument("--recompute-layers", type=int,
                    help="layers checkpointed and recomputed in backward (default: only as many as memory requires)")
+    p.add_argument("--cache-attention-layers", type=int,
+                   help="checkpointed layers that keep their attention output so the recompute skips the kernel "
+                        "(default: as many as device and host memory allow)")
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")

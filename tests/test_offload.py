@@ -189,10 +189,11 @@ def test_memory_plan_arithmetic():
 
     shape = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    # Without kept attention outputs (cache_attention=False; tests/test_kept_attention.py has the default).
     # 1M tokens on one H200 with ~120 GB free: every layer recomputed, as many inputs kept as fit
-    # (96 GB planned - 64.4 GB working set - 3.7 GB loss = 27.9 GB = 12 inputs of 2.1 GB).
-    assert plan_activation_memory(shape, 1 << 20, 120e9) == (28, 12)
+    # (96 GB planned - 64.4 GB working set - 3.7 GB loss - 2.1 GB prefetched input = 25.8 GB = 11 inputs of 2.1 GB).
+    assert plan_activation_memory(shape, 1 << 20, 120e9, cache_attention=False) == (28, 11, 0)
     # 128k tokens: most layers skip the recompute, the checkpointed rest keep their inputs on the GPU.
-    assert plan_activation_memory(shape, 1 << 17, 120e9) == (9, 9)
+    assert plan_activation_memory(shape, 1 << 17, 120e9, cache_attention=False) == (9, 9, 0)
     # No room beyond one layer's working set: recompute and offload everything.
-    assert plan_activation_memory(shape, 1 << 20, 10e9) == (28, 0)
+    assert plan_activation_memory(shape, 1 << 20, 10e9, cache_attention=False) == (28, 0, 0)

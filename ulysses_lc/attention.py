@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .layers import text_config
 from .layout import ParallelLayout, check_heads
+from .offload import active_checkpointed_layer
 
 logger = logging.getLogger(__name__)
 _instance_ids = itertools.count()
@@ -143,6 +144,121 @@ def causal_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str = "sdpa", drop
     return out_bshd.transpose(1, 2)
 
 
+# ---- attention whose output the forward keeps, so the checkpoint recompute skips the kernel ----
+#
+# Inside a checkpointed layer (offload.py) the recompute runs the layer forward again, attention kernel
+# included, only to rebuild what the attention backward reads: q, k, v (cheap: projections and RoPE), the
+# output and the softmax log-sum-exp (the whole kernel). With `cache_attention_layers` the forward keeps
+# the output and log-sum-exp (2q + 4 x heads bytes per token, offloaded with the layer input) and the
+# recompute hands them back instead of running the kernel. This needs the kernel's forward and backward
+# as separate calls, so we call SDPA's aten ops directly: the same ops, with the same arguments, that
+# F.scaled_dot_product_attention's autograd uses for the cuDNN / FLASH backends (and the CPU flash
+# kernel), hence the same numbers, bitwise.
+
+def _cudnn_forward(q, k, v, scale):
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    return r[0], r[1], tuple(r[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, aux, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+    )
+
+
+def _flash_forward(q, k, v, scale):
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    return r[0], r[1], tuple(r[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
+
+
+def _flash_backward(dout, q, k, v, out, lse, aux, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+    )
+
+
+def _cpu_forward(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(dout, q, k, v, out, lse, aux, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, True, scale=scale
+    )
+
+
+_EXPLICIT = {
+    "cudnn": (_cudnn_forward, _cudnn_backward),
+    "flash": (_flash_forward, _flash_backward),
+    "cpu": (_cpu_forward, _cpu_backward),
+}
+_REFUSED: set = set()  # (backend, dtype, head_dim, gqa) that raised once: not tried again
+
+
+def _explicit_backends(q: torch.Tensor, kernel: str) -> list[str]:
+    """Backends for the kept-output path, in the order F.scaled_dot_product_attention would try them."""
+    if q.device.type == "cpu":
+        return ["cpu"] if kernel in ("sdpa", "cudnn", "auto") else []
+    if q.device.type != "cuda":
+        return []
+    return {"cudnn": ["cudnn", "flash"], "auto": ["cudnn", "flash"], "sdpa": ["flash"]}.get(kernel, [])
+
+
+class _KeptOutputAttention(torch.autograd.Function):
+    """Causal attention through one explicit backend. kept None: run the kernel forward and put its
+    (out, lse, aux) in `sink`; kept = (out, lse, aux): return them without running it. Backward: the
+    backend's backward op from the saved q, k, v, out, lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, backend, kept, sink):
+        if kept is None:
+            out, lse, aux = _EXPLICIT[backend][0](q, k, v, scale)
+            sink.append((out.detach(), lse, aux))
+        else:
+            out, lse, aux = kept
+            out = out.detach()  # a fresh tensor object: this node becomes its grad_fn
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.backend, ctx.aux = scale, backend, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _EXPLICIT[ctx.backend][1](dout, q, k, v, out, lse, ctx.aux, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, handle, saved):
+    """Causal attention in a checkpointed layer that keeps its output (see the note above), or None when
+    no explicit backend takes this shape (the caller then runs `causal_attention`, in the forward and
+    again in the recompute)."""
+    if saved.calls > 1:  # the recompute
+        if saved.attention is None:
+            return None
+        backend, packed_out, packed_lse, aux = saved.attention
+        kept = (handle._unstash(saved, packed_out), handle._unstash(saved, packed_lse), aux)
+        return _KeptOutputAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, kept, None)
+    for backend in _explicit_backends(q_bhsd, kernel):
+        key = (backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
+        if key in _REFUSED:
+            continue
+        sink = []
+        try:
+            out = _KeptOutputAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, None, sink)
+        except RuntimeError as e:
+            _REFUSED.add(key)
+            logger.warning("kept attention output: backend %s refused %s (%s); trying the next one", backend,
+                           tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
+            continue
+        kept_out, lse, aux = sink[0]
+        saved.attention = (backend, handle._stash(saved, kept_out), handle._stash(saved, lse), aux)
+        return out
+    return None
+
+
 class UlyssesAttention:
     """A transformers attention function running Ulysses sequence parallelism over `layout`'s SP group.
 
@@ -178,7 +294,16 @@ class UlyssesAttention:
         q = seq_to_heads(query, self.layout)
         k = seq_to_heads(key, self.layout)
         v = seq_to_heads(value, self.layout)
-        out = causal_attention(q, k, v, scaling, self.kernel, dropout if module.training else 0.0)
+        dropout = dropout if module.training else 0.0
+        out = None
+        active = active_checkpointed_layer()
+        if active is not None and torch.is_grad_enabled():
+            handle, saved = active
+            handle._attention_started(saved, query)
+            if saved.cache_attention and not dropout:
+                out = kept_output_attention(q, k, v, scaling, self.kernel, handle, saved)
+        if out is None:
+            out = causal_attention(q, k, v, scaling, self.kernel, dropout)
         out_bshd = heads_to_seq(out, self.layout).transpose(1, 2)
         return out_bshd, None
 

@@ -83,16 +83,21 @@ def matmul_params(config) -> tuple[int, int]:
     return sum(per_layer), hidden * cfg.vocab_size
 
 
-def model_flops_per_step(config, seq_len: int, *, recompute: bool = True) -> FlopsPerStep:
+def model_flops_per_step(
+    config, seq_len: int, *, recompute: bool = True, recompute_layers: int | None = None,
+    cached_attention_layers: int = 0,
+) -> FlopsPerStep:
     """FLOPs of one step on one causal sequence of `seq_len` tokens (see `FlopsPerStep`).
 
     dense     = 6 * N * T                       (fwd 2NT, bwd 4NT; N includes the LM head)
     attention = 3 * 2 * T^2 * h * d * n_layers  (fwd: QK^T and PV, 2 FLOPs per MAC each, over the
                                                  causal half T^2/2; bwd 2x fwd)
     model     = dense + attention
-    hardware  = model + [recompute] (2 * N_layers * T + 2 * T^2 * h * d * n_layers)
+    hardware  = model + [recompute] (r/n_layers * 2 * N_layers * T + (r - c)/n_layers * 2 * T^2 * h * d * n_layers)
     effective = 4.5 * 2 * T^2 * h * d * n_layers + 8 * N * T   (ALST/Megatron convention)
     h counts query heads (GQA shares K/V but every query head does its own QK^T and PV).
+    r = recompute_layers (default all) layers are recomputed; c = cached_attention_layers of them keep
+    their attention output, so their recompute skips the attention forward (offload.py).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1")
@@ -106,7 +111,12 @@ def model_flops_per_step(config, seq_len: int, *, recompute: bool = True) -> Flo
     dense = 6.0 * n_params * tokens
     attention = 3.0 * attn_fwd
     model = dense + attention
-    hardware = model + ((2.0 * n_layers_params * tokens + attn_fwd) if recompute else 0.0)
+    n_layers = cfg.num_hidden_layers
+    r = (n_layers if recompute_layers is None else recompute_layers) if recompute else 0
+    if not 0 <= cached_attention_layers <= r <= n_layers:
+        raise ValueError(f"need 0 <= cached_attention_layers={cached_attention_layers} <= recompute_layers={r} "
+                         f"<= {n_layers} layers")
+    hardware = model + (r * 2.0 * n_layers_params * tokens + (r - cached_attention_layers) * attn_fwd) / n_layers
     effective = 4.5 * attn_fwd + 8.0 * n_params * tokens
     return FlopsPerStep(tokens, n_params, n_layers_params, dense, attention, model, hardware, effective)
 

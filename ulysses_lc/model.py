@@ -48,6 +48,10 @@ class SequenceParallelCausalLM(nn.Module):
         (default all; `self.checkpointing.configure` changes the plan later).
       offload: checkpointed layer inputs wait in host memory, except the last `keep_on_gpu` layers
         (and tensors under `min_offload_bytes`).
+      cache_attention_layers: the last this-many checkpointed layers keep their attention output from the
+        forward (with their input: on the host when offloaded), so their recompute skips the attention
+        kernel (off by default here: it costs 2 x heads x head_dim bytes per token and layer; the training
+        path turns it on from its memory plan, `offload.plan_activation_memory`).
       efficient_norm: RMSNorms save their bf16 input instead of fp32 copies (rmsnorm.py).
     """
 
@@ -63,6 +67,7 @@ class SequenceParallelCausalLM(nn.Module):
         offload: bool = True,
         keep_on_gpu: int = 0,
         recompute_layers: int | None = None,
+        cache_attention_layers: int = 0,
         min_offload_bytes: int | None = None,
         efficient_norm: bool = True,
     ):
@@ -86,7 +91,8 @@ class SequenceParallelCausalLM(nn.Module):
         if checkpointing:
             extra = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
             self.checkpointing = enable_checkpointing(
-                model, offload=offload, keep_on_gpu=keep_on_gpu, recompute_layers=recompute_layers, **extra
+                model, offload=offload, keep_on_gpu=keep_on_gpu, recompute_layers=recompute_layers,
+                cache_attention_layers=cache_attention_layers, **extra,
             )
             self._undo.append(self.checkpointing.undo)
 

@@ -29,7 +29,7 @@ from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .layout import ParallelLayout
 from .metrics import StepLogger, measure_peak_bf16_tflops, model_flops_per_step
 from .model import SequenceParallelCausalLM
-from .offload import plan_activation_memory
+from .offload import MemoryPlan, plan_activation_memory
 from .sharding import shard_batch
 from .yarn import apply_yarn
 
@@ -64,6 +64,7 @@ class TrainConfig:
     kernel: str = "auto"
     keep_on_gpu: int | None = None  # None: from the memory plan, see _memory_plan
     recompute_layers: int | None = None  # None: from the memory plan
+    cache_attention_layers: int | None = None  # None: from the memory plan
     cache_dir: str | None = None
     tensorboard: bool = False
     export: bool = True
@@ -79,6 +80,10 @@ class TrainConfig:
             raise ValueError(f"--lr-schedule {self.lr_schedule!r}: pick constant, linear or cosine.")
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (0 saves only at the end).")
+        for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
+            value = getattr(self, flag)
+            if value is not None and value < 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 0 (leave it out to plan from memory).")
 
 
 # -- model ---------------------------------------------------------------------------------------
@@ -222,24 +227,33 @@ def check_output_dir(cfg: TrainConfig, sp_size: int, world_size: int) -> Path:
 
 
 def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.device, num_params: int,
-                 layout: ParallelLayout):
-    """(recompute_layers, keep_on_gpu): flags win; otherwise offload.plan_activation_memory on the free memory.
+                 layout: ParallelLayout) -> MemoryPlan:
+    """(recompute_layers, keep_on_gpu, cache_attention_layers): flags win; otherwise
+    offload.plan_activation_memory on the free device and host memory.
 
     Called after deepspeed.initialize; AdamW's two fp32 moments (8 bytes per parameter, partitioned over
-    all ranks) are allocated at the first step, so they are subtracted here. Every rank plans from the
-    smallest free memory of any rank: ranks with different plans would deadlock in the recompute's
-    collectives. Without CUDA: checkpoint and offload everything (on a CPU that only exercises the path).
+    all ranks) are allocated at the first step, so they are subtracted here. Host memory is shared by the
+    ranks of a node: each plans for its share of what is available. Every rank plans from the smallest
+    free memory of any rank: ranks with different plans would deadlock in the recompute's collectives.
+    Without CUDA: checkpoint and offload everything, attention outputs included (on a CPU that only
+    exercises the paths).
     """
     layers = model_config.num_hidden_layers
     if device.type != "cuda":
-        plan = (layers, 0)
+        plan = MemoryPlan(layers, 0, layers)
     else:
-        free = torch.tensor(torch.cuda.mem_get_info(device)[0], dtype=torch.int64, device=device)
+        import psutil
+
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        free = torch.tensor([torch.cuda.mem_get_info(device)[0], psutil.virtual_memory().available // local_ranks],
+                            dtype=torch.int64, device=device)
         torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
-        plan = plan_activation_memory(model_config, seq_local, int(free) - 8 * num_params // layout.world_size)
-    recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan[0]
-    keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan[1], recompute)
-    return recompute, keep
+        plan = plan_activation_memory(model_config, seq_local, int(free[0]) - 8 * num_params // layout.world_size,
+                                      host_free_bytes=int(free[1]))
+    recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan.recompute_layers
+    keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan.keep_on_gpu, recompute)
+    cache = cfg.cache_attention_layers if cfg.cache_attention_layers is not None else plan.cache_attention_layers
+    return MemoryPlan(recompute, keep, min(cache, recompute))
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -299,8 +313,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         config=ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
-    recompute, keep = _memory_plan(cfg, model_config, -(-cfg.seq_len // sp_size), device, num_params, layout)
-    model.checkpointing.configure(recompute_layers=recompute, keep_on_gpu=keep)
+    plan = _memory_plan(cfg, model_config, -(-cfg.seq_len // sp_size), device, num_params, layout)
+    model.checkpointing.configure(*plan)
     if rank0:
         logger.info("memory plan: %s", model.checkpointing.report())
 
@@ -317,7 +331,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), "sp_size": sp_size, "world_size": world}, indent=2))
 
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size.
-    flops = model_flops_per_step(model_config, cfg.seq_len)
+    flops = model_flops_per_step(model_config, cfg.seq_len, recompute_layers=plan.recompute_layers,
+                                 cached_attention_layers=plan.cache_attention_layers)
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     records = []
     with StepLogger(
@@ -327,7 +342,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         for step in range(start_step, cfg.steps):
             # DP group j takes window position + j; the position then moves past all DP groups' windows.
             sequence = stream.sequence(stream.position + layout.dp_rank)
-            batch = shard_batch(sequence, layout, pad_token_id=_pad_id(tokenizer)).to(device)
+            batch = shard_batch(sequence, layout, pad_token_id=_pad_id(tokenizer),
+                                vocab_size=model_config.vocab_size).to(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()

@@ -1,0 +1,218 @@
+"""Kept attention outputs (selective recompute), the deferred prefetch and the host buffer pool.
+
+A checkpointed layer that keeps its attention output recomputes q, k, v but not the attention kernel.
+Everything here is against the same model with plain checkpointing (no kept outputs), same inputs:
+  - loss and every gradient bitwise equal (torch.equal): the recompute hands back the forward's own
+    output and log-sum-exp, and the backward is the same kernel's backward op;
+  - the attention kernel's forward runs layers + (checkpointed - kept) times per step, not 2 x layers;
+  - the previous layer's tensors come back from the host only after this layer's attention backward;
+  - host buffers are exactly the offloaded bytes and are reused by the next step.
+CPU, fp32, sp 1 and 2 (gloo); the CUDA variant runs where a GPU is present.
+"""
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from tests._dist import run_distributed
+from tests.models import VOCAB, build
+from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, shard_batch
+from ulysses_lc import attention as attention_mod
+from ulysses_lc.offload import MemoryPlan, plan_activation_memory
+
+LAYERS, SEQ = 3, 64
+
+
+def _step(model, ids, layout):
+    loss = model(**shard_batch(ids, layout).as_kwargs())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _count_kernel_forwards(monkeypatch_target):
+    """Wrap the explicit CPU kernel and F.scaled_dot_product_attention; return the call counter."""
+    calls = {"n": 0}
+    forward, backward = attention_mod._EXPLICIT["cpu"]
+
+    def counted(*args):
+        calls["n"] += 1
+        return forward(*args)
+
+    monkeypatch_target["cpu"] = (counted, backward)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted_sdpa(*args, **kwargs):
+        calls["n"] += 1
+        return sdpa(*args, **kwargs)
+
+    return calls, counted_sdpa
+
+
+def kept_worker(rank, world_size, sp, cases):
+    import torch.nn.functional as F
+
+    layout = ParallelLayout.build(sp)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, levers in cases.items():
+        explicit = dict(attention_mod._EXPLICIT)
+        calls, counted_sdpa = _count_kernel_forwards(attention_mod._EXPLICIT)
+        real_sdpa, F.scaled_dot_product_attention = F.scaled_dot_product_attention, counted_sdpa
+        try:
+            model = SequenceParallelCausalLM(build("qwen3", num_hidden_layers=LAYERS), layout, min_offload_bytes=0,
+                                             chunked_loss=2, tiled_mlp=2, **levers)
+            steps = []
+            for _ in range(2):
+                calls["n"] = 0
+                loss, grads = _step(model, ids, layout)
+                steps.append((loss, grads, calls["n"], model.checkpointing.report()))
+        finally:
+            F.scaled_dot_product_attention = real_sdpa
+            attention_mod._EXPLICIT.clear()
+            attention_mod._EXPLICIT.update(explicit)
+        out[name] = steps
+    return out
+
+
+CASES = {
+    "plain_ckpt": dict(offload=True),
+    "kept_all": dict(offload=True, cache_attention_layers=LAYERS),
+    "kept_last2": dict(offload=True, cache_attention_layers=2),
+    "kept_all_keep1": dict(offload=True, cache_attention_layers=LAYERS, keep_on_gpu=1),
+    "kept_no_offload": dict(offload=False, cache_attention_layers=LAYERS),
+    "kept_partial_recompute": dict(offload=True, recompute_layers=2, cache_attention_layers=2),
+}
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_kept_attention_bitwise_and_skips_kernel(sp):
+    results = run_distributed(kept_worker, sp, sp, CASES)[0]
+    ref_loss, ref_grads, ref_calls, _ = results["plain_ckpt"][0]
+    assert ref_calls == 2 * LAYERS  # forward + recompute of every layer
+    expected_calls = {"kept_all": LAYERS, "kept_last2": LAYERS + 1, "kept_all_keep1": LAYERS,
+                      "kept_no_offload": LAYERS, "kept_partial_recompute": LAYERS}
+    for name, steps in results.items():
+        for loss, grads, calls, report in steps:  # the second step reuses the host buffers
+            assert torch.equal(loss, ref_loss), name
+            assert grads.keys() == ref_grads.keys()
+            for param, grad in grads.items():
+                assert torch.equal(grad, ref_grads[param]), (name, param)
+            if name != "plain_ckpt":
+                assert calls == expected_calls[name], (name, calls)
+        first, second = steps[0][3], steps[1][3]
+        # Exact-size host buffers, reused: the pool holds what one step offloads, no more.
+        assert first["host_pool_bytes"] == first["host_bytes"] == second["host_pool_bytes"], (name, first, second)
+
+
+def _expected_host_bytes(sp, cached_layers, offloaded_layers):
+    s_local = SEQ // sp
+    hidden, q_heads, head_dim = 32, 4, 8
+    input_bytes = s_local * hidden * 4
+    out_bytes = SEQ * (q_heads // sp) * head_dim * 4  # whole sequence, this rank's heads
+    lse_bytes = SEQ * (q_heads // sp) * 4
+    return offloaded_layers * input_bytes + cached_layers * (out_bytes + lse_bytes)
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_kept_attention_host_bytes(sp):
+    cases = {"kept_all": CASES["kept_all"], "kept_all_keep1": CASES["kept_all_keep1"]}
+    results = run_distributed(kept_worker, sp, sp, cases)[0]
+    assert results["kept_all"][0][3]["host_bytes"] == _expected_host_bytes(sp, LAYERS, LAYERS)
+    # keep_on_gpu=1: the last layer keeps its input and its attention output on the device.
+    assert results["kept_all_keep1"][0][3]["host_bytes"] == _expected_host_bytes(sp, LAYERS - 1, LAYERS - 1)
+
+
+def order_worker(rank, world_size, cache):
+    layout = ParallelLayout.build(1)
+    model = SequenceParallelCausalLM(build("qwen3", num_hidden_layers=4), layout, min_offload_bytes=0,
+                                     cache_attention_layers=cache)
+    handle = model.checkpointing
+    events = []
+    copy, done = handle._copy_to_device, handle._attention_backward_done
+
+    def logged_copy(saved):
+        events.append(("copy", saved.index))
+        return copy(saved)
+
+    def logged_done(saved, grad):
+        events.append(("attention backward", saved.index))
+        return done(saved, grad)
+
+    handle._copy_to_device, handle._attention_backward_done = logged_copy, logged_done
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    _step(model, ids, layout)
+    return events
+
+
+@pytest.mark.parametrize("cache", [0, 4])
+def test_prefetch_waits_for_attention_backward(cache):
+    events = run_distributed(order_worker, 1, cache)[0]
+    # The last layer's input has nothing to hide under (copied when its recompute starts); every other
+    # layer's tensors are copied right after the next layer's attention backward, not before.
+    assert events == [("copy", 3), ("attention backward", 3), ("copy", 2), ("attention backward", 2),
+                      ("copy", 1), ("attention backward", 1), ("copy", 0), ("attention backward", 0)], events
+
+
+def test_memory_plan_with_kept_attention():
+    shape = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    # 1M tokens, ~120 GB free: 96 GB planned - 64.4 GB working set - 3.7 GB loss - 6.5 GB for the prefetched
+    # input + attention output = 21.4 GB: no room for a plain layer (34.9 GB), 3 layers of 2.1 + 4.4 GB
+    # stay on the device; with unlimited host memory every layer keeps its attention output.
+    assert plan_activation_memory(shape, 1 << 20, 120e9) == MemoryPlan(28, 3, 28)
+    # 100 GB of RAM: 80 GB planned - 25 offloaded inputs x 2.1 GB = 27.5 GB -> 6 offloaded attention outputs
+    # of 4.36 GB, plus the 3 kept on the device.
+    assert plan_activation_memory(shape, 1 << 20, 120e9, host_free_bytes=100e9) == MemoryPlan(28, 3, 9)
+    # 128k tokens: 19 layers skip the recompute; the 9 checkpointed keep their attention output.
+    assert plan_activation_memory(shape, 1 << 17, 120e9) == MemoryPlan(9, 2, 9)
+    # Without offload the outputs come before plain layers: 11 checkpointed, all keeping outputs.
+    assert plan_activation_memory(shape, 1 << 17, 120e9, offload=False) == MemoryPlan(11, 11, 11)
+    # No room beyond one layer's working set: recompute and offload everything (outputs to the host).
+    assert plan_activation_memory(shape, 1 << 20, 10e9) == MemoryPlan(28, 0, 28)
+    assert plan_activation_memory(shape, 1 << 20, 10e9, cache_attention=False) == MemoryPlan(28, 0, 0)
+
+
+def test_configure_checks_cache_range():
+    from ulysses_lc.offload import enable_checkpointing
+
+    handle = enable_checkpointing(build("qwen3", num_hidden_layers=LAYERS), cache_attention_layers=2)
+    assert handle.report()["cached_attention_layers"] == 2
+    handle.configure(recompute_layers=1)  # the cached count follows recompute_layers down
+    assert handle.report()["cached_attention_layers"] == 1
+    with pytest.raises(ValueError, match="cache_attention_layers=2 must be in"):
+        handle.configure(cache_attention_layers=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cuDNN/FLASH ops, pinned buffers")
+def test_cuda_kept_attention_bitwise():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        import os
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    layout = ParallelLayout.build(1)
+    ids = torch.randint(0, VOCAB, (1, 1024), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for cache in (0, LAYERS):
+        torch.manual_seed(0)
+        hf = build("qwen3", num_hidden_layers=LAYERS, hidden_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64).to("cuda", torch.bfloat16)
+        model = SequenceParallelCausalLM(hf, layout, min_offload_bytes=0, cache_attention_layers=cache)
+        batch = shard_batch(ids, layout).to("cuda").as_kwargs()
+        for _ in range(2):
+            loss = model(**batch)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+        report = model.checkpointing.report()
+        results[cache] = (loss.detach(), grads, report)
+    (l0, g0, _), (l1, g1, r1) = results[0], results[LAYERS]
+    assert r1["pinned"] and r1["host_pool_bytes"] == r1["host_bytes"]
+    assert torch.equal(l0, l1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
