@@ -64,10 +64,14 @@ def kept_worker(rank, world_size, sp, cases):
             model = SequenceParallelCausalLM(build("qwen3", num_hidden_layers=LAYERS), layout, min_offload_bytes=0,
                                              chunked_loss=2, tiled_mlp=2, **levers)
             steps = []
+            live_loss = None  # held into the next forward, as a training loop holds its last loss (and graph)
             for _ in range(2):
                 calls["n"] = 0
-                loss, grads = _step(model, ids, layout)
-                steps.append((loss, grads, calls["n"], model.checkpointing.report()))
+                live_loss = model(**shard_batch(ids, layout).as_kwargs())
+                live_loss.backward()
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                model.zero_grad(set_to_none=True)
+                steps.append((live_loss.detach(), grads, calls["n"], model.checkpointing.report()))
         finally:
             F.scaled_dot_product_attention = real_sdpa
             attention_mod._EXPLICIT.clear()
@@ -216,3 +220,15 @@ def test_cuda_kept_attention_bitwise():
     assert torch.equal(l0, l1)
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+
+
+def test_second_backward_through_offloaded_graph_is_refused():
+    from tests.test_offload import _input_ids, _model
+    from ulysses_lc.offload import enable_checkpointing
+
+    model = _model()
+    enable_checkpointing(model, offload=True, min_offload_bytes=0)
+    logits = model(input_ids=_input_ids(), use_cache=False).logits
+    logits.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        logits.sum().backward()

@@ -250,10 +250,13 @@ class CheckpointHandle:
             self._copy_to_device(saved)
 
     def _copy_to_device(self, saved: _LayerSaved) -> None:
-        """Queue host -> device copies of all of `saved`'s offloaded tensors. The host copies stay until the
-        record dies with its graph (a retain_graph backward may need them again); then the finalizer set
-        in `_checkpoint_layer` gives their buffers back to the pool, and the next forward's copies into
-        them queue behind these on the same side stream."""
+        """Queue host -> device copies of all of `saved`'s offloaded tensors, then give their host buffers
+        back to the pool. A second backward through the same graph (retain_graph=True) is refused."""
+        if not saved.host and saved.buffers == [] and saved.prefetched:
+            raise RuntimeError(
+                "offloaded activations were already brought back for one backward; a second backward through "
+                "the same graph (retain_graph=True) is not supported with offload=True."
+            )
         on_device = []
         for host, device in zip(saved.host, saved.devices):
             if device.type != "cuda":
@@ -274,6 +277,12 @@ class CheckpointHandle:
             on_device.append(dst)
         saved.on_device = on_device
         saved.prefetched = True
+        # The host copies are done with: their buffers go back to the pool now, not when the record dies
+        # with its graph (a training loop holds the last loss, and with it the graph, into the next
+        # forward, which would then find no free buffer and pin a second set). The next copy into a buffer
+        # queues behind this one on the same side stream.
+        saved.host = []
+        self._pool.give(saved.buffers)
 
     def _side_stream(self, device: torch.device):
         if device not in self._side_streams:
