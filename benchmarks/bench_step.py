@@ -442,6 +442,11 @@ SUITES = {
         _v("ours@2M/1L", "ours", 2048 * K, 220, layers=1, warmup="short"),
         _v("ours-4B@512k/2L", "ours", 512 * K, 70, shape="qwen3-4b", layers=2, warmup="short"),
     ],
+    # issue 3, third pass: the prefetch moved after the attention block's backward.
+    "memory3": [
+        _v("ours@1M/4L", "ours", 1024 * K, 185, layers=4, warmup="short"),
+        _v("ours@1M/1L", "ours", 1024 * K, 65, layers=1, warmup="short"),
+    ],
     # issue 3, in priority order.
     "memory": [
         _v("ours@32k", "ours", 32 * K, 20),

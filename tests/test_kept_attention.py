@@ -5,7 +5,7 @@ Everything here is against the same model with plain checkpointing (no kept outp
   - loss and every gradient bitwise equal (torch.equal): the recompute hands back the forward's own
     output and log-sum-exp, and the backward is the same kernel's backward op;
   - the attention kernel's forward runs layers + (checkpointed - kept) times per step, not 2 x layers;
-  - the previous layer's tensors come back from the host only after this layer's attention backward;
+  - the previous layer's tensors come back from the host only after this layer's attention block backward;
   - host buffers are exactly the offloaded bytes and are reused by the next step.
 CPU, fp32, sp 1 and 2 (gloo); the CUDA variant runs where a GPU is present.
 """
@@ -134,17 +134,17 @@ def order_worker(rank, world_size, cache):
                                      cache_attention_layers=cache)
     handle = model.checkpointing
     events = []
-    copy, done = handle._copy_to_device, handle._attention_backward_done
+    copy, done = handle._copy_to_device, handle._attention_block_backward_done
 
     def logged_copy(saved):
         events.append(("copy", saved.index))
         return copy(saved)
 
     def logged_done(saved, grad):
-        events.append(("attention backward", saved.index))
+        events.append(("attention block backward", saved.index))
         return done(saved, grad)
 
-    handle._copy_to_device, handle._attention_backward_done = logged_copy, logged_done
+    handle._copy_to_device, handle._attention_block_backward_done = logged_copy, logged_done
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
     _step(model, ids, layout)
     return events
@@ -154,9 +154,9 @@ def order_worker(rank, world_size, cache):
 def test_prefetch_waits_for_attention_backward(cache):
     events = run_distributed(order_worker, 1, cache)[0]
     # The last layer's input has nothing to hide under (copied when its recompute starts); every other
-    # layer's tensors are copied right after the next layer's attention backward, not before.
-    assert events == [("copy", 3), ("attention backward", 3), ("copy", 2), ("attention backward", 2),
-                      ("copy", 1), ("attention backward", 1), ("copy", 0), ("attention backward", 0)], events
+    # layer's tensors are copied right after the next layer's attention block backward, not before.
+    assert events == [("copy", 3), ("attention block backward", 3), ("copy", 2), ("attention block backward", 2),
+                      ("copy", 1), ("attention block backward", 1), ("copy", 0), ("attention block backward", 0)], events
 
 
 def test_memory_plan_with_kept_attention():

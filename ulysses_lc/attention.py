@@ -299,7 +299,6 @@ class UlyssesAttention:
         active = active_checkpointed_layer()
         if active is not None and torch.is_grad_enabled():
             handle, saved = active
-            handle._attention_started(saved, query)
             if saved.cache_attention and not dropout:
                 out = kept_output_attention(q, k, v, scaling, self.kernel, handle, saved)
         if out is None:
