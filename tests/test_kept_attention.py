@@ -232,3 +232,27 @@ def test_second_backward_through_offloaded_graph_is_refused():
     logits.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True"):
         logits.sum().backward()
+
+
+def test_host_pool_drops_buffers_a_new_plan_or_length_no_longer_uses():
+    from ulysses_lc.offload import enable_checkpointing
+
+    model = build("qwen3", num_hidden_layers=LAYERS)
+    handle = enable_checkpointing(model, offload=True, min_offload_bytes=0)
+
+    def step(seq):
+        ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(seq))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return handle.report()
+
+    per_layer = 32 * 4  # hidden 32, fp32: bytes per token of one layer input
+    assert step(64)["host_pool_bytes"] == LAYERS * 64 * per_layer
+    assert step(64)["host_pool_bytes"] == LAYERS * 64 * per_layer  # reused, nothing new
+    # Another length: new buffers; the 64-token ones go once two passes have not used them.
+    assert step(48)["host_pool_bytes"] == LAYERS * (64 + 48) * per_layer
+    step(48)
+    assert step(48)["host_pool_bytes"] == LAYERS * 48 * per_layer
+    # A new plan drops the free buffers at once: one layer offloaded from here on.
+    handle.configure(keep_on_gpu=LAYERS - 1)
+    assert handle.report()["host_pool_bytes"] == 0
+    assert step(48)["host_pool_bytes"] == step(48)["host_bytes"] == 48 * per_layer

@@ -88,19 +88,20 @@ class _HostPool:
     """
 
     def __init__(self):
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
-        self._registered: list[torch.Tensor] = []
+        self._free: dict[tuple[int, bool], list[tuple[torch.Tensor, int]]] = {}  # -> [(buffer, pass returned in)]
+        self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
         self.bytes = 0  # everything this pool holds, in use or free
+        self.passes = 0  # forward passes started
 
     def take(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
         free = self._free.get((nbytes, pin))
         if free:
-            return free.pop(), pin
+            return free.pop()[0], pin
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if pin:
             cudart = torch.cuda.cudart()
             if cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0) == cudart.cudaError.success:
-                self._registered.append(buf)
+                self._registered[buf.data_ptr()] = buf
             else:  # e.g. RLIMIT_MEMLOCK in a container: fall back to torch's (rounding) pinned allocator
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.bytes += nbytes
@@ -111,16 +112,34 @@ class _HostPool:
         queued: the next copy into one is queued later on the same side stream."""
         while buffers:
             buf, pin = buffers.pop()
-            self._free.setdefault((buf.numel(), pin), []).append(buf)
+            self._free.setdefault((buf.numel(), pin), []).append((buf, self.passes))
+
+    def new_pass(self) -> None:
+        """A forward pass starts: drop free buffers no pass has used since the one before the last (left
+        over from a warm-up at another length, or from a plan that offloaded more layers)."""
+        self.passes += 1
+        stale = [(key, item) for key, items in self._free.items() for item in items if item[1] < self.passes - 2]
+        if not stale:
+            return
+        if torch.cuda.is_available() and self._registered:
+            torch.cuda.synchronize()  # only when something is dropped: copies out of it must be done
+        for key, item in stale:
+            self._free[key].remove(item)
+            self._drop(item[0])
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        self.bytes -= buf.numel()
+        if self._registered.pop(buf.data_ptr(), None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
     def release(self) -> None:
-        """Unregister and drop the free buffers (buffers still in use are dropped when returned)."""
-        if self._registered:
+        """Unregister and drop the free buffers (buffers in use are kept and come back to the pool)."""
+        if torch.cuda.is_available() and self._registered:
             torch.cuda.synchronize()
-            cudart = torch.cuda.cudart()
-            for buf in self._registered:
-                cudart.cudaHostUnregister(buf.data_ptr())
-        self._registered, self._free, self.bytes = [], {}, 0
+        for items in self._free.values():
+            for buf, _ in items:
+                self._drop(buf)
+        self._free = {}
 
 
 def _host_like(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -171,6 +190,7 @@ class CheckpointHandle:
             # (or will consume separately), so start a fresh chain and a fresh byte count.
             last = None
             self.host_bytes = 0
+            self._pool.new_pass()
         keep = not self.offload or index >= self.recompute_layers - self.keep_on_gpu
         cache = index >= self.recompute_layers - self.cache_attention_layers
         saved = _LayerSaved(index, keep, last, cache)
@@ -375,6 +395,8 @@ class CheckpointHandle:
         if not 0 <= cache <= recompute:
             raise ValueError(f"cache_attention_layers={cache} must be in [0, recompute_layers={recompute}].")
         self.recompute_layers, self.keep_on_gpu, self.cache_attention_layers = recompute, keep, cache
+        self.host_bytes = 0  # counts the next forward pass, under the new plan
+        self._pool.release()  # free buffers sized for the old plan; those in use come back for reuse
         for index, layer in enumerate(self.layers):
             layer.gradient_checkpointing = index < recompute
 
