@@ -9,6 +9,11 @@ listed by the innermost frame in ulysses_lc / transformers / torch.utils.checkpo
 the autograd engine's C++ backward have no Python frame and are listed as "<backward>", with their sizes).
 Allocations made before recording (weights, optimizer state) are not in the trace: they are the "static"
 line. Writes <out>/snapshot_<layers>L.txt and prints the same.
+
+Status: its one run so far (H200, torch 2.11, 2026-11-29) died inside the first checkpoint recompute with
+"SystemError: apply returned NULL without setting an exception" while memory history was recorded: the
+recompute's early stop ends it by raising through autograd Functions. The recorded step now runs with
+early stop off (the recompute then also computes the layer's output, a few tensors more); not rerun yet.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import _init_dist, build_model, random_tokens, setup_ours  # noqa: E402
@@ -68,7 +74,8 @@ def run(layers: int, seq: int, out: Path, levers: dict) -> str:
     static = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    fwd_bwd(batch)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        fwd_bwd(batch)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)

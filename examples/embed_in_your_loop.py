@@ -39,7 +39,7 @@ engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_co
 tokenizer = tiny_tokenizer()
 input_ids = torch.tensor(tokenizer(tiny_text(SEQ_LEN * 2))["input_ids"][:SEQ_LEN])
 for step in range(3):
-    batch = shard_batch(input_ids, layout).to(device)
+    batch = shard_batch(input_ids, layout, vocab_size=config.vocab_size).to(device)  # labels checked on the host
     loss = engine(**batch.as_kwargs())
     engine.backward(loss)
     engine.step()

@@ -196,6 +196,7 @@ _EXPLICIT = {
     "cpu": (_cpu_forward, _cpu_backward),
 }
 _REFUSED: set = set()  # (backend, dtype, head_dim, gqa) that raised once: not tried again
+_LOGGED: set = set()
 
 
 def _explicit_backends(q: torch.Tensor, kernel: str) -> list[str]:
@@ -255,6 +256,9 @@ def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, handle, 
             continue
         kept_out, lse, aux = sink[0]
         saved.attention = (backend, handle._stash(saved, kept_out), handle._stash(saved, lse), aux)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("kept attention outputs: %s kernel (forward once, backward from the kept output)", backend)
         return out
     return None
 

@@ -21,12 +21,22 @@ never reach the hook. Parameters and tensors below `min_offload_bytes` stay wher
 Overlap (CUDA): forward copies device -> pinned host on a side stream, after waiting for
 the compute stream up to the save, so the copy overlaps the next layers' compute; the
 device tensor is `record_stream`-ed on the side stream so its memory is not reused before
-the copy is done. Backward walks layers last to first: when layer i's input is unpacked
-(its recompute is about to start) we queue the host -> device copy of layer i-1's input on
-the side stream, so it runs under layer i's recompute and backward; layer i-1's unpack then
-only makes the compute stream wait for that copy's event. The last `keep_on_gpu` layers,
-needed first in backward, are not offloaded at all: with keep_on_gpu >= 1 even the first
-backward layer has no copy to wait for.
+the copy is done. Backward walks layers last to first. When layer i's attention block has
+finished its backward (a hook on the block's input gradient; the block is where one layer's
+working set peaks), we queue the host -> device copy of layer i-1's tensors on the side
+stream, so it runs under the rest of layer i's backward and adds nothing to the peak; layer
+i-1's unpack then only makes the compute stream wait for that copy's event. (Layers without
+a `self_attn` block get the copy queued when layer i's recompute starts.) The last
+`keep_on_gpu` layers, needed first in backward, are not offloaded at all.
+
+Host memory: exact-size buffers page-locked with cudaHostRegister, reused from step to step
+(`_HostPool`); torch's pinned allocator would round each up to a power of two.
+
+Kept attention outputs (`cache_attention_layers`): the attention function (attention.py)
+stores the kernel's output and log-sum-exp in the layer's record during the forward, through
+the same pack path (so offloaded layers keep them in host memory), and the recompute takes
+them back instead of running the kernel. `active_checkpointed_layer()` tells it which record
+is running.
 
 Without CUDA the same hooks run: the pack copies into a separate CPU buffer and the stream
 and event operations are skipped, so CPU tests exercise the code path. Copies are exact, so
