@@ -23,7 +23,8 @@ CONFIG = {
 
 
 NO_LEVERS = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False, efficient_norm=False)
-ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True, min_offload_bytes=0)
+ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True, min_offload_bytes=0,
+                  cache_attention_layers=2)
 
 
 def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family="qwen3"):

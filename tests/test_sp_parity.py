@@ -119,11 +119,12 @@ def test_dp2_x_sp2_averages_sequences():
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_sp2_with_all_levers_equals_plain_single_process(family):
     # Chunked loss (2-row chunks, so several chunks and a ragged last one), tiled MLP (3 tiles),
-    # checkpointing with every layer's input offloaded: SP=2 against plain transformers with none.
+    # checkpointing with every layer's input offloaded, the last layer keeping its attention output:
+    # SP=2 against plain transformers with none.
     input_ids, labels = make_sequence(45, seed=4, ignore_prefix=9)
     overrides = {"tie_word_embeddings": True}
     ref = reference(family, input_ids, labels, **overrides)
-    levers = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True, keep_on_gpu=0)
+    levers = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True, keep_on_gpu=0, cache_attention_layers=1)
     results = run_distributed(_levers_worker, 2, family, overrides, levers, input_ids, labels)
     for loss, grads, host_bytes in results:
         assert_close(loss, grads, *ref)
