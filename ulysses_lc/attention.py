@@ -84,6 +84,48 @@ class _SeqAllToAll(torch.autograd.Function):
         return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.sp), None, None, None, None
 
 
+class _QKVSeqToHeads(torch.autograd.Function):
+    """q, k, v [b, h_x, s_local, d] -> [b, h_x / sp, s, d] each, in ONE all-to-all (and one back in backward):
+    the three are packed along heads into one buffer, which costs the same copy the separate exchanges make
+    (each packs its own parts contiguously), and the SP group runs one collective instead of three per
+    attention call each way: fewer launches and latencies, and one large message instead of two small ones
+    next to a large one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, sp):
+        heads = [t.shape[1] // sp for t in (q, k, v)]
+        ctx.group, ctx.sp, ctx.heads = group, sp, heads
+        parts = torch.cat([t.unflatten(1, (sp, -1)).movedim(1, 0) for t in (q, k, v)], dim=2)
+        received = torch.empty_like(parts)
+        dist.all_to_all_single(received, parts, group=group)
+        # received[i]: rank i's sequence slice of this rank's heads -> whole sequence in global order.
+        return tuple(r.movedim(0, 2).flatten(2, 3) for r in received.split(heads, dim=2))
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        sp = ctx.sp
+        ref = next(g for g in (grad_q, grad_k, grad_v) if g is not None)
+        grads = [g if g is not None else ref.new_zeros(ref.shape[0], h, *ref.shape[2:])
+                 for g, h in zip((grad_q, grad_k, grad_v), ctx.heads)]
+        parts = torch.cat([g.unflatten(2, (sp, -1)).movedim(2, 0) for g in grads], dim=2)
+        received = torch.empty_like(parts)
+        dist.all_to_all_single(received, parts, group=ctx.group)
+        # received[i]: rank i's heads of this rank's sequence slice -> all heads, local slice.
+        out = tuple(r.movedim(0, 1).flatten(1, 2) for r in received.split(ctx.heads, dim=2))
+        return (*out, None, None)
+
+
+def qkv_seq_to_heads(q, k, v, layout: ParallelLayout):
+    """seq_to_heads of q, k and v together: one all-to-all when their dtype, batch, local length and head
+    dim agree (always for Llama/Qwen-style attention), three otherwise."""
+    if layout.sp_size == 1:
+        return q, k, v
+    same = all(t.dtype == q.dtype and t.shape[0] == q.shape[0] and t.shape[2:] == q.shape[2:] for t in (k, v))
+    if not same:
+        return seq_to_heads(q, layout), seq_to_heads(k, layout), seq_to_heads(v, layout)
+    return _QKVSeqToHeads.apply(q, k, v, layout.sp_group, layout.sp_size)
+
+
 def seq_to_heads(x_bhsd: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     """[b, h, s_local, d] -> [b, h_local, s, d] (differentiable)."""
     if layout.sp_size == 1:
@@ -295,9 +337,7 @@ class UlyssesAttention:
         sp = self.layout.sp_size
         key = replicate_kv_heads(key, sp)
         value = replicate_kv_heads(value, sp)
-        q = seq_to_heads(query, self.layout)
-        k = seq_to_heads(key, self.layout)
-        v = seq_to_heads(value, self.layout)
+        q, k, v = qkv_seq_to_heads(query, key, value, self.layout)
         dropout = dropout if module.training else 0.0
         out = None
         active = active_checkpointed_layer()
