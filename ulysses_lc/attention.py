@@ -283,6 +283,9 @@ def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, handle, 
             return None
         backend, packed_out, packed_lse, aux = saved.attention
         kept = (handle._unstash(saved, packed_out), handle._unstash(saved, packed_lse), aux)
+        # Drop the record's references: the graph (and with it the record) can outlive the backward, e.g.
+        # while a loop holds its last loss into the next forward, and a device-kept output would stay.
+        saved.attention = None
         return _KeptOutputAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, kept, None)
     for backend in _explicit_backends(q_bhsd, kernel):
         key = (backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
@@ -291,6 +294,8 @@ def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, handle, 
         sink = []
         try:
             out = _KeptOutputAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, None, sink)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
             _REFUSED.add(key)
             logger.warning("kept attention output: backend %s refused %s (%s); trying the next one", backend,

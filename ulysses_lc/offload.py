@@ -87,33 +87,59 @@ class _LayerSaved:
         self.h2d_event = None
 
 
+_PAGE = 4096
+
+
+def _unregister_all(registered: dict) -> None:
+    """Finalizer of a _HostPool: unpin what is still registered before the memory can be freed."""
+    if registered and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        cudart = torch.cuda.cudart()
+        for ptr in list(registered):
+            cudart.cudaHostUnregister(ptr)
+    registered.clear()
+
+
 class _HostPool:
     """Exact-size host buffers, page-locked with cudaHostRegister, reused from step to step.
 
     `torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which rounds every
     block up to a power of two: a 2.5 GiB layer input (Qwen3-4B shape, 512k tokens) takes 4 GiB of pinned
-    memory, and 36 of them do not fit a node's RAM. Here each buffer is a plain host allocation of exactly
-    the bytes needed, registered once and kept for the next step (registration costs ~0.1-0.3 s per GB, so
-    only the first step pays it). Without CUDA the buffers are ordinary memory (CPU tests).
+    memory, and 36 of them do not fit a node's RAM. Here each buffer is a plain host allocation rounded up
+    to whole pages and page-aligned (so no two buffers share a page, which registration would refuse),
+    registered once and kept for the next step (registration costs ~0.1-0.3 s per GB, so only the first
+    step pays it). Without CUDA the buffers are ordinary memory (CPU tests).
     """
 
     def __init__(self):
         self._free: dict[tuple[int, bool], list[tuple[torch.Tensor, int]]] = {}  # -> [(buffer, pass returned in)]
-        self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
+        self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> the registered page-aligned region
+        self._closed = False
         self.bytes = 0  # everything this pool holds, in use or free
         self.passes = 0  # forward passes started
+        weakref.finalize(self, _unregister_all, self._registered)
 
     def take(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
         free = self._free.get((nbytes, pin))
         if free:
             return free.pop()[0], pin
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if pin:
+        if not pin:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            size = -(-nbytes // _PAGE) * _PAGE
+            raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+            offset = (-raw.data_ptr()) % _PAGE
+            region = raw[offset:offset + size]
             cudart = torch.cuda.cudart()
-            if cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0) == cudart.cudaError.success:
-                self._registered[buf.data_ptr()] = buf
-            else:  # e.g. RLIMIT_MEMLOCK in a container: fall back to torch's (rounding) pinned allocator
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            err = cudart.cudaHostRegister(region.data_ptr(), size, 0)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(
+                    f"cudaHostRegister of {size / 2**30:.2f} GiB for activation offload failed ({err}); the "
+                    "usual cause is a locked-memory limit (raise `ulimit -l`, or the container's memlock limit) "
+                    "or host RAM: keep more layers on the GPU (keep_on_gpu) or offload fewer."
+                )
+            self._registered[region.data_ptr()] = region
+            buf = region[:nbytes]
         self.bytes += nbytes
         return buf, pin
 
@@ -122,7 +148,10 @@ class _HostPool:
         queued: the next copy into one is queued later on the same side stream."""
         while buffers:
             buf, pin = buffers.pop()
-            self._free.setdefault((buf.numel(), pin), []).append((buf, self.passes))
+            if self._closed:
+                self._drop(buf)
+            else:
+                self._free.setdefault((buf.numel(), pin), []).append((buf, self.passes))
 
     def new_pass(self) -> None:
         """A forward pass starts: drop free buffers no pass has used since the one before the last (left
@@ -143,13 +172,18 @@ class _HostPool:
             torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
     def release(self) -> None:
-        """Unregister and drop the free buffers (buffers in use are kept and come back to the pool)."""
+        """Unregister and drop the free buffers (buffers in use come back to the pool for reuse)."""
         if torch.cuda.is_available() and self._registered:
             torch.cuda.synchronize()
         for items in self._free.values():
             for buf, _ in items:
                 self._drop(buf)
         self._free = {}
+
+    def close(self) -> None:
+        """release(), and buffers still in use are dropped when they come back."""
+        self.release()
+        self._closed = True
 
 
 def _host_like(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -181,6 +215,8 @@ class CheckpointHandle:
         self.checkpoint_kwargs = checkpoint_kwargs
         self.host_bytes = 0
         self.pinned = False
+        self.prefetched_copies = 0  # layers whose offloaded tensors came back ahead of need (latest pass)
+        self.waited_copies = 0  # layers whose recompute had to wait for the copy (the first in backward)
         self._pool = _HostPool()
         self._last_saved = None  # weakref: holding the record would hold every layer's host copy
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -200,6 +236,7 @@ class CheckpointHandle:
             # (or will consume separately), so start a fresh chain and a fresh byte count.
             last = None
             self.host_bytes = 0
+            self.prefetched_copies = self.waited_copies = 0
             self._pool.new_pass()
         keep = not self.offload or index >= self.recompute_layers - self.keep_on_gpu
         cache = index >= self.recompute_layers - self.cache_attention_layers
@@ -268,6 +305,7 @@ class CheckpointHandle:
         if slot is None:
             return kept
         if saved.on_device[slot] is None:
+            self.waited_copies += 1  # not prefetched: the compute stream waits for this copy
             self._copy_to_device(saved)
         tensor = saved.on_device[slot]
         if tensor.is_cuda:
@@ -278,6 +316,7 @@ class CheckpointHandle:
 
     def _prefetch(self, saved: "_LayerSaved | None") -> None:
         if saved is not None and saved.host and not saved.prefetched:
+            self.prefetched_copies += 1
             self._copy_to_device(saved)
 
     def _copy_to_device(self, saved: _LayerSaved) -> None:
@@ -356,6 +395,7 @@ class CheckpointHandle:
         The copy then overlaps little compute: ~2 bytes x hidden per token at ~25 GB/s, against a layer
         recompute of ~0.2 s at 64k tokens and far more beyond (attention is quadratic, the copy linear)."""
         self._prefetch(saved.prev)
+        saved.prev = None  # the chain is not needed past this point; let finished records go
         return None
 
     # ---- public ----
@@ -372,6 +412,8 @@ class CheckpointHandle:
             "host_bytes": self.host_bytes,
             "host_pool_bytes": self.host_pool_bytes,
             "pinned": self.pinned,
+            "prefetched_copies": self.prefetched_copies,
+            "waited_copies": self.waited_copies,
         }
 
     def configure(
@@ -426,7 +468,7 @@ class CheckpointHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._pool.release()
+        self._pool.close()
 
 
 _MISSING = object()

@@ -28,6 +28,7 @@ from .data import build_token_stream, parse_source
 from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .layout import ParallelLayout
 from .metrics import StepLogger, measure_peak_bf16_tflops, model_flops_per_step
+from .layers import text_config
 from .model import SequenceParallelCausalLM
 from .offload import MemoryPlan, plan_activation_memory
 from .sharding import shard_batch
@@ -226,6 +227,12 @@ def check_output_dir(cfg: TrainConfig, sp_size: int, world_size: int) -> Path:
     return out
 
 
+def _can_keep_attention(cfg: TrainConfig, model_config) -> bool:
+    """Kept attention outputs need an SDPA kernel (attention.kept_output_attention) and no attention dropout."""
+    dropout = getattr(text_config(model_config), "attention_dropout", 0.0) or 0.0
+    return cfg.kernel in ("auto", "sdpa", "cudnn") and dropout == 0.0
+
+
 def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.device, num_params: int,
                  layout: ParallelLayout) -> MemoryPlan:
     """(recompute_layers, keep_on_gpu, cache_attention_layers): flags win; otherwise
@@ -240,16 +247,17 @@ def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.d
     """
     layers = model_config.num_hidden_layers
     if device.type != "cuda":
-        plan = MemoryPlan(layers, 0, layers)
+        plan = MemoryPlan(layers, 0, layers if _can_keep_attention(cfg, model_config) else 0)
     else:
         import psutil
 
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         free = torch.tensor([torch.cuda.mem_get_info(device)[0], psutil.virtual_memory().available // local_ranks],
                             dtype=torch.int64, device=device)
         torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
         plan = plan_activation_memory(model_config, seq_local, int(free[0]) - 8 * num_params // layout.world_size,
-                                      host_free_bytes=int(free[1]))
+                                      host_free_bytes=int(free[1]), cache_attention=_can_keep_attention(cfg, model_config))
     recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan.recompute_layers
     keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan.keep_on_gpu, recompute)
     cache = cfg.cache_attention_layers if cfg.cache_attention_layers is not None else plan.cache_attention_layers
