@@ -322,7 +322,7 @@ class CheckpointHandle:
     def _copy_to_device(self, saved: _LayerSaved) -> None:
         """Queue host -> device copies of all of `saved`'s offloaded tensors, then give their host buffers
         back to the pool. A second backward through the same graph (retain_graph=True) is refused."""
-        if not saved.host and saved.buffers == [] and saved.prefetched:
+        if saved.prefetched and not saved.host:
             raise RuntimeError(
                 "offloaded activations were already brought back for one backward; a second backward through "
                 "the same graph (retain_graph=True) is not supported with offload=True."
