@@ -241,13 +241,23 @@ _REFUSED: set = set()  # (backend, dtype, head_dim, gqa) that raised once: not t
 _LOGGED: set = set()
 
 
-def _explicit_backends(q: torch.Tensor, kernel: str) -> list[str]:
-    """Backends for the kept-output path, in the order F.scaled_dot_product_attention would try them."""
+# CUDA backends for the kept-output path per `kernel`, in the order F.scaled_dot_product_attention would try
+# them under our priority; flash-attn kernels have no separate forward/backward ops to call.
+_KEPT_BACKENDS = {"cudnn": ("cudnn", "flash"), "auto": ("cudnn", "flash"), "sdpa": ("flash",)}
+
+
+def keeps_attention_outputs(kernel: str) -> bool:
+    """Whether checkpointed layers can keep their attention output with this `kernel` (see the note above)."""
+    return kernel in _KEPT_BACKENDS
+
+
+def _explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
+    """Backends for the kept-output path on q's device."""
+    if not keeps_attention_outputs(kernel):
+        return ()
     if q.device.type == "cpu":
-        return ["cpu"] if kernel in ("sdpa", "cudnn", "auto") else []
-    if q.device.type != "cuda":
-        return []
-    return {"cudnn": ["cudnn", "flash"], "auto": ["cudnn", "flash"], "sdpa": ["flash"]}.get(kernel, [])
+        return ("cpu",)
+    return _KEPT_BACKENDS[kernel] if q.device.type == "cuda" else ()
 
 
 class _KeptOutputAttention(torch.autograd.Function):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .attention import check_model_for_ulysses
+from .attention import check_model_for_ulysses, keeps_attention_outputs
 from .data import build_token_stream, parse_source
 from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .layout import ParallelLayout
@@ -230,7 +230,7 @@ def check_output_dir(cfg: TrainConfig, sp_size: int, world_size: int) -> Path:
 def _can_keep_attention(cfg: TrainConfig, model_config) -> bool:
     """Kept attention outputs need an SDPA kernel (attention.kept_output_attention) and no attention dropout."""
     dropout = getattr(text_config(model_config), "attention_dropout", 0.0) or 0.0
-    return cfg.kernel in ("auto", "sdpa", "cudnn") and dropout == 0.0
+    return keeps_attention_outputs(cfg.kernel) and dropout == 0.0
 
 
 def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.device, num_params: int,
