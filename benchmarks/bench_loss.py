@@ -11,6 +11,8 @@ Variants, each forward + backward of the summed cross-entropy of hidden [t, h] (
   trl-style     the peer the issue names: 256-row chunks, the head cast to fp32 per chunk, the chunk's
                 logits recomputed in backward (torch.utils.checkpoint per chunk: 4 matmuls, fp32)
   full          bf16 logits [t, vocab] at once, fp32 cross-entropy (what fits only at short length)
+  ours-<rows>   with --rows: ours with that many rows per chunk (the automatic size is
+                ulysses_lc.chunked_loss.auto_chunk_rows(vocab), printed first)
 Timed: median of 3 after one warm-up; peak = max_memory_allocated above what the inputs hold.
 The same numbers are printed as a table and written to <out>/loss_results.json. Loss values of all
 variants are printed next to each other (they must agree to ~1e-3 relative in bf16).
@@ -94,6 +96,8 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--rows", type=int, nargs="*", default=[],
+                   help="also time ours with these chunk row counts (a chunk-size sweep)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32")
     p.add_argument("--out", default=os.environ.get("OUT", "loss_out"))
     args = p.parse_args()
@@ -102,6 +106,10 @@ def main():
     if args.smoke:
         args.tokens, args.hidden, args.vocab = [512], 32, 1000
     variants = {"ours": ours(), "ours-256": ours(256), "trl-style": trl_style, "full": full}
+    variants.update({f"ours-{r}": ours(r) for r in args.rows})
+    from ulysses_lc.chunked_loss import auto_chunk_rows
+
+    print(f"automatic chunk: {auto_chunk_rows(args.vocab)} rows at vocab {args.vocab}", flush=True)
     rows = []
     for t in args.tokens:
         for name, fn in variants.items():

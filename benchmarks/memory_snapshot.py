@@ -8,7 +8,7 @@ trace is replayed to find the moment of the largest total allocated, and the all
 listed by the innermost frame in ulysses_lc / transformers / torch.utils.checkpoint (allocations made by
 the autograd engine's C++ backward have no Python frame and are listed as "<backward>", with their sizes).
 Allocations made before recording (weights, optimizer state) are not in the trace: they are the "static"
-line. Writes <out>/snapshot_<layers>L.txt and prints the same.
+line. Writes <out>/snapshot_<kernel>_<layers>L.txt and prints the same.
 
 Status: its one run so far (H200, torch 2.11, 2026-11-29) died inside the first checkpoint recompute with
 "SystemError: apply returned NULL without setting an exception" while memory history was recorded: the
@@ -85,7 +85,7 @@ def run(layers: int, seq: int, out: Path, levers: dict) -> str:
     groups = collections.defaultdict(list)
     for e in live:
         groups[_site(e.get("frames", []))].append(e["size"])
-    lines = [f"{layers} layers, {seq} tokens: peak {peak / GIB:.2f} GiB = static {static / GIB:.2f} + traced "
+    lines = [f"{layers} layers, {seq} tokens, kernel {levers.get('kernel', 'auto')}: peak {peak / GIB:.2f} GiB = static {static / GIB:.2f} + traced "
              f"{best / GIB:.2f} (event {best_i} of {len(trace)}); live at the peak, by site:"]
     for site, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:25]:
         sizes.sort(reverse=True)
@@ -97,7 +97,7 @@ def run(layers: int, seq: int, out: Path, levers: dict) -> str:
         if e["action"] == "alloc":
             lines.append(f"    {e['size'] / GIB:8.3f} GiB  {_site(e.get('frames', []))}")
     text = "\n".join(lines)
-    (out / f"snapshot_{layers}L.txt").write_text(text + "\n")
+    (out / f"snapshot_{levers.get('kernel', 'auto')}_{layers}L.txt").write_text(text + "\n")
     del module, opt, batch, model
     torch.cuda.empty_cache()
     return text
@@ -107,13 +107,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=262144)
     p.add_argument("--layers", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--kernel", default="auto", help="attention kernel (ulysses_lc.KERNELS); auto = cuDNN first")
     p.add_argument("--out", default=os.environ.get("OUT", "snapshot_out"))
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _init_dist()
     for layers in args.layers:
-        print(run(layers, args.seq, out, {}), flush=True)
+        print(run(layers, args.seq, out, {"kernel": args.kernel}), flush=True)
 
 
 if __name__ == "__main__":
