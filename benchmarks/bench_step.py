@@ -204,7 +204,7 @@ def bench_attention_kernel(lengths, backends, q_heads=16, kv_heads=8, head_dim=1
             dout = torch.randn_like(q)
             row = dict(length=length, backend=name, gqa="enable_gqa")
 
-            def once(expand):
+            def once(expand, q=q, k=k, v=v, dout=dout):  # bound now: the loop deletes its names below
                 kk = k.repeat_interleave(q_heads // kv_heads, 1) if expand else k
                 vv = v.repeat_interleave(q_heads // kv_heads, 1) if expand else v
                 with sdpa_kernel([backend]):
@@ -241,7 +241,7 @@ def bench_attention_kernel(lengths, backends, q_heads=16, kv_heads=8, head_dim=1
                 row.update(status="error", error=str(e).splitlines()[0][:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del q, k, v, dout
+            del q, k, v, dout, once
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -345,7 +345,9 @@ def run_variant(spec: dict) -> dict:
             from ulysses_lc.offload import plan_activation_memory
 
             free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-            plan = plan_activation_memory(config, seq, free, host_free_bytes=psutil.virtual_memory().available)
+            groups = spec.get("levers", {}).get("attention_head_groups", "auto")
+            plan = plan_activation_memory(config, seq, free, host_free_bytes=psutil.virtual_memory().available,
+                                          head_groups=groups)
             module.checkpointing.configure(*plan)
             rec["plan"] = plan._asdict()
             _sync()
@@ -446,6 +448,15 @@ SUITES = {
     "memory3": [
         _v("ours@1M/4L", "ours", 1024 * K, 185, layers=4, warmup="short"),
         _v("ours@1M/1L", "ours", 1024 * K, 65, layers=1, warmup="short"),
+    ],
+    # The attention kernel over head groups (automatic: 4 at 256k, 8 at 2M) against one call (groups 1).
+    "groups": [
+        _v("ours@256k/1L-g1", "ours", 256 * K, 20, layers=1, levers=dict(attention_head_groups=1)),
+        _v("ours@256k/1L", "ours", 256 * K, 20, layers=1),
+        _v("ours-plan@128k-g1", "ours", 128 * K, 45, plan=True, levers=dict(attention_head_groups=1)),
+        _v("ours-plan@128k", "ours", 128 * K, 45, plan=True),
+        _v("ours@2M/1L", "ours", 2048 * K, 220, layers=1, warmup="short"),
+        _v("ours-plan@256k", "ours", 256 * K, 80, warmup="short", plan=True),
     ],
     # issue 3, in priority order.
     "memory": [

@@ -18,6 +18,15 @@ from ulysses_lc.training import TINY, TrainConfig, train
 TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3, output_dir="runs/tiny")
 
 
+def _head_groups(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'auto' or a whole number of groups") from None
+
+
 def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,6 +55,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--cache-attention-layers", type=int,
                    help="checkpointed layers that keep their attention output so the recompute skips the kernel "
                         "(default: as many as device and host memory allow)")
+    p.add_argument("--attention-head-groups", type=_head_groups, default=d.attention_head_groups,
+                   help="run the attention kernel over this many groups of kv heads, one after another, so its "
+                        "backward's working block exists one group at a time (default auto: under 1 GiB)")
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")

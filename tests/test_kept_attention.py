@@ -164,13 +164,14 @@ def test_prefetch_waits_for_attention_backward(cache):
 def test_memory_plan_with_kept_attention():
     shape = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
-    # 1M tokens, ~120 GB free: 96 GB planned - 64.4 GB working set - 3.7 GB loss - 6.5 GB for the prefetched
-    # input + attention output = 21.4 GB: no room for a plain layer (34.9 GB), 3 layers of 2.1 + 4.4 GB
-    # stay on the device; with unlimited host memory every layer keeps its attention output.
-    assert plan_activation_memory(shape, 1 << 20, 120e9) == MemoryPlan(28, 3, 28)
-    # 100 GB of RAM: 80 GB planned - 25 offloaded inputs x 2.1 GB = 27.5 GB -> 6 offloaded attention outputs
-    # of 4.36 GB, plus the 3 kept on the device.
-    assert plan_activation_memory(shape, 1 << 20, 120e9, host_free_bytes=100e9) == MemoryPlan(28, 3, 9)
+    # 1M tokens, ~120 GB free: 96 GB planned - 58.0 GB working set (its attention block over 8 head groups:
+    # 2.1 GB) - 3.8 GB loss - 6.5 GB for the prefetched input + attention output = 27.7 GB: no room for a
+    # plain layer (34.9 GB), 4 layers of 2.1 + 4.4 GB stay on the device; with unlimited host memory every
+    # layer keeps its attention output.
+    assert plan_activation_memory(shape, 1 << 20, 120e9) == MemoryPlan(28, 4, 28)
+    # 100 GB of RAM: 80 GB planned - 24 offloaded inputs x 2.1 GB = 29.6 GB -> 6 offloaded attention outputs
+    # of 4.36 GB, plus the 4 kept on the device.
+    assert plan_activation_memory(shape, 1 << 20, 120e9, host_free_bytes=100e9) == MemoryPlan(28, 4, 10)
     # 128k tokens: 19 layers skip the recompute; the 9 checkpointed keep their attention output.
     assert plan_activation_memory(shape, 1 << 17, 120e9) == MemoryPlan(9, 2, 9)
     # Without offload the outputs come before plain layers: 11 checkpointed, all keeping outputs.

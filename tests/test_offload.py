@@ -191,8 +191,15 @@ def test_memory_plan_arithmetic():
                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
     # Without kept attention outputs (cache_attention=False; tests/test_kept_attention.py has the default).
     # 1M tokens on one H200 with ~120 GB free: every layer recomputed, as many inputs kept as fit
-    # (96 GB planned - 64.4 GB working set - 3.7 GB loss - 2.1 GB prefetched input = 25.8 GB = 11 inputs of 2.1 GB).
-    assert plan_activation_memory(shape, 1 << 20, 120e9, cache_attention=False) == (28, 11, 0)
+    # (96 GB planned - 58.0 GB working set - 3.8 GB loss - 2.1 GB prefetched input = 32.0 GB = 14 inputs of 2.1 GB).
+    assert plan_activation_memory(shape, 1 << 20, 120e9, cache_attention=False) == (28, 14, 0)
+    # The attention kernel over one call instead of 8 head groups: its backward block is 17.2 GB instead of
+    # 2.1 GB, 7 inputs fewer fit.
+    assert plan_activation_memory(shape, 1 << 20, 120e9, cache_attention=False, head_groups=1) == (28, 7, 0)
+    # At sp 2 a rank plans for its 512k tokens, and for attention its 8 q / 4 kv heads over the whole 1M: 4
+    # groups of the same 2.1 GB block. 96 GB - 27.9 GB working set - 2.1 GB block - 2.8 GB loss - 1.1 GB
+    # prefetched = 62.1 GB: 3 plain layers of 17.4 GB, then 9 inputs of 1.07 GB stay on the device.
+    assert plan_activation_memory(shape, 1 << 19, 120e9, cache_attention=False, sp_size=2) == (25, 9, 0)
     # 128k tokens: most layers skip the recompute, the checkpointed rest keep their inputs on the GPU.
     assert plan_activation_memory(shape, 1 << 17, 120e9, cache_attention=False) == (9, 9, 0)
     # No room beyond one layer's working set: recompute and offload everything.

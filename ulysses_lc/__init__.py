@@ -12,7 +12,7 @@ Each lever is a library call (see examples/embed_in_your_loop.py):
   SequenceParallelCausalLM  all of the above around a HF model                 (model.py)
 """
 
-from .attention import UlyssesAttention, check_model_for_ulysses
+from .attention import UlyssesAttention, attention_head_groups, check_model_for_ulysses
 from .chunked_loss import ChunkedLossHead, chunked_cross_entropy, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .data import TokenStream, build_token_stream
@@ -37,6 +37,7 @@ __all__ = [
     "TokenStream",
     "UlyssesAttention",
     "apply_yarn",
+    "attention_head_groups",
     "build_token_stream",
     "check_deepspeed_config",
     "check_model_for_ulysses",

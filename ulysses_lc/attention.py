@@ -260,15 +260,102 @@ def _explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
     return _KEPT_BACKENDS[kernel] if q.device.type == "cuda" else ()
 
 
-class _KeptOutputAttention(torch.autograd.Function):
-    """Causal attention through one explicit backend. kept None: run the kernel forward and put its
-    (out, lse, aux) in `sink`; kept = (out, lse, aux): return them without running it. Backward: the
-    backend's backward op from the saved q, k, v, out, lse."""
+# ---- the kernel over groups of heads: its own working memory, one group at a time ----
+#
+# At long sequence the peak of a step is one layer's backward, and the attention backward is its largest
+# part. Besides out, dq, dk and dv, cuDNN's backward holds one block of its own: an fp32 dq accumulator and,
+# for GQA, dk and dv at all query heads before they are summed to the kv heads, (4 + 4 * gqa) * h * s * d
+# bytes: 4 GiB at 256k tokens for Qwen3-0.6B's 16 x 128 heads, 32 GiB at 2M (measured: BENCHMARKS.md F;
+# torch's FLASH backend holds more). Heads are independent, so the kernel can run over groups of whole kv
+# heads (each with its query heads) one after another: that block shrinks by the group count. Outputs and
+# gradients are written into full-size tensors; each group's own (1/G of them) is transient. The numbers are
+# the kernel's own per head, bitwise equal to one call over all heads (tests: CPU, and cuDNN on the GPU).
+# Groups of whole kv heads keep every kv head's gradient inside one call: splitting the query heads that
+# share a kv head would add partial dk, dv sums in another order. Under Ulysses a rank holds h_kv / sp kv
+# heads (at least one), so the groups are divisors of that.
+
+# The per-group block we aim for: the size of the loss head's chunk, far below one layer's activations at
+# the lengths where it matters.
+_ATTENTION_BLOCK_TARGET_BYTES = 1 << 30
+
+
+def attention_backward_block_bytes(seq: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of the block the cuDNN attention backward holds besides out, dq, dk, dv, all heads in one call
+    (fp32 dq accumulator; for GQA also bf16 dk and dv at every query head)."""
+    return (4 + (4 if kv_heads != heads else 0)) * heads * seq * head_dim
+
+
+def attention_head_groups(
+    seq: int, heads: int, kv_heads: int, head_dim: int, target_bytes: int = _ATTENTION_BLOCK_TARGET_BYTES
+) -> int:
+    """How many groups of whole kv heads to run the attention kernel over, one at a time: the fewest whose
+    per-group backward block is at most `target_bytes`, or one per kv head when even that is larger.
+    `heads` and `kv_heads` are what one rank runs (after the Ulysses exchange)."""
+    block = attention_backward_block_bytes(seq, heads, kv_heads, head_dim)
+    for groups in range(1, kv_heads + 1):
+        if kv_heads % groups == 0 and block <= target_bytes * groups:
+            return groups
+    return kv_heads
+
+
+def _check_groups(q, k, groups: int) -> None:
+    if groups < 1 or k.shape[1] % groups or q.shape[1] % groups:
+        raise ValueError(
+            f"head_groups={groups} must divide this rank's kv heads ({k.shape[1]}) and query heads "
+            f"({q.shape[1]}); pick a divisor of {k.shape[1]}, or head_groups='auto'."
+        )
+
+
+def _grouped_forward(backend, q, k, v, scale, groups):
+    """(out, lse, per-group aux) of the backend's forward over `groups` head groups."""
+    fwd = _EXPLICIT[backend][0]
+    if groups == 1:
+        out, lse, aux = fwd(q, k, v, scale)
+        return out, lse, (aux,)
+    gq, gk = q.shape[1] // groups, k.shape[1] // groups
+    out = lse = None
+    auxes = []
+    for g in range(groups):
+        sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
+        out_g, lse_g, aux = fwd(q[:, sq], k[:, sk], v[:, sk], scale)
+        if out is None:
+            # The kernels lay the output out like q (empty_like keeps q's strides), so every group's slice
+            # has the strides the group's own output had: the backward reads it as it would have.
+            out = torch.empty_like(q, dtype=out_g.dtype)
+            lse = lse_g.new_empty(lse_g.shape[0], q.shape[1], *lse_g.shape[2:])
+        out[:, sq].copy_(out_g)
+        lse[:, sq].copy_(lse_g)
+        auxes.append(aux)
+        del out_g, lse_g
+    return out, lse, tuple(auxes)
+
+
+def _grouped_backward(backend, dout, q, k, v, out, lse, auxes, scale):
+    bwd = _EXPLICIT[backend][1]
+    groups = len(auxes)
+    if groups == 1:
+        return bwd(dout, q, k, v, out, lse, auxes[0], scale)
+    gq, gk = q.shape[1] // groups, k.shape[1] // groups
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for g, aux in enumerate(auxes):
+        sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
+        dq_g, dk_g, dv_g = bwd(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[:, sq], aux, scale)
+        dq[:, sq].copy_(dq_g)
+        dk[:, sk].copy_(dk_g)
+        dv[:, sk].copy_(dv_g)
+        del dq_g, dk_g, dv_g
+    return dq, dk, dv
+
+
+class _ExplicitAttention(torch.autograd.Function):
+    """Causal attention through one explicit backend, over `groups` head groups. kept None: run the kernel
+    forward and put its (out, lse, aux) in `sink`; kept = (out, lse, aux): return them without running it.
+    Backward: the backend's backward op from the saved q, k, v, out, lse, group by group."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, backend, kept, sink):
+    def forward(ctx, q, k, v, scale, backend, groups, kept, sink):
         if kept is None:
-            out, lse, aux = _EXPLICIT[backend][0](q, k, v, scale)
+            out, lse, aux = _grouped_forward(backend, q, k, v, scale, groups)
             sink.append((out.detach(), lse, aux))
         else:
             out, lse, aux = kept
@@ -280,11 +367,39 @@ class _KeptOutputAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _EXPLICIT[ctx.backend][1](dout, q, k, v, out, lse, ctx.aux, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _grouped_backward(ctx.backend, dout, q, k, v, out, lse, ctx.aux, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, handle, saved):
+def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int = 1, sink: list | None = None):
+    """Causal attention through the first explicit backend (cuDNN, FLASH, CPU flash) that takes this shape,
+    over `groups` head groups; None when none does (the caller runs `causal_attention`). With a `sink`, the
+    backend name and the kernel's (out, lse, aux) are appended to it."""
+    _check_groups(q_bhsd, k_bhsd, groups)
+    for backend in _explicit_backends(q_bhsd, kernel):
+        key = (backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
+        if key in _REFUSED:
+            continue
+        got = []
+        try:
+            out = _ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, groups, None, got)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            _REFUSED.add(key)
+            logger.warning("explicit attention: backend %s refused %s (%s); trying the next one", backend,
+                           tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
+            continue
+        if sink is not None:
+            sink.append((backend, *got[0]))
+        if (key, groups) not in _LOGGED:
+            _LOGGED.add((key, groups))
+            logger.info("attention: %s kernel called directly, %d head group(s)", backend, groups)
+        return out
+    return None
+
+
+def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, handle, saved, groups: int = 1):
     """Causal attention in a checkpointed layer that keeps its output (see the note above), or None when
     no explicit backend takes this shape (the caller then runs `causal_attention`, in the forward and
     again in the recompute)."""
@@ -296,28 +411,13 @@ def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, handle, 
         # Drop the record's references: the graph (and with it the record) can outlive the backward, e.g.
         # while a loop holds its last loss into the next forward, and a device-kept output would stay.
         saved.attention = None
-        return _KeptOutputAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, kept, None)
-    for backend in _explicit_backends(q_bhsd, kernel):
-        key = (backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
-        if key in _REFUSED:
-            continue
-        sink = []
-        try:
-            out = _KeptOutputAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, None, sink)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as e:
-            _REFUSED.add(key)
-            logger.warning("kept attention output: backend %s refused %s (%s); trying the next one", backend,
-                           tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
-            continue
-        kept_out, lse, aux = sink[0]
+        return _ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, len(aux), kept, None)
+    sink = []
+    out = explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel, groups, sink)
+    if out is not None:
+        backend, kept_out, lse, aux = sink[0]
         saved.attention = (backend, handle._stash(saved, kept_out), handle._stash(saved, lse), aux)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            logger.info("kept attention outputs: %s kernel (forward once, backward from the kept output)", backend)
-        return out
-    return None
+    return out
 
 
 class UlyssesAttention:
@@ -328,14 +428,25 @@ class UlyssesAttention:
     overwritten.
     """
 
-    def __init__(self, layout: ParallelLayout, kernel: str = "auto", name: str | None = None):
+    def __init__(
+        self, layout: ParallelLayout, kernel: str = "auto", name: str | None = None, head_groups: int | str = "auto"
+    ):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; pick one of {KERNELS}.")
+        if head_groups != "auto" and (isinstance(head_groups, bool) or not isinstance(head_groups, int)
+                                      or head_groups < 1):
+            raise ValueError(f"head_groups must be 'auto' or an int >= 1, got {head_groups!r}.")
         kernel = resolve_kernel(kernel)
         if kernel.startswith("flash"):
             _flash_attn_func(kernel)  # fail now, not at the first layer
+            if head_groups not in ("auto", 1):
+                raise ValueError(
+                    f"head_groups={head_groups} needs a kernel whose forward and backward we call ourselves "
+                    f"(kernel='auto', 'cudnn' or 'sdpa'); {kernel!r} runs over all heads at once."
+                )
         self.layout = layout
         self.kernel = kernel
+        self.head_groups = head_groups
         # One entry per instance: two models in one process (say, a policy and a reference) may differ.
         self.name = name or f"ulysses_lc_{kernel}_{next(_instance_ids)}"
         logger.info("ulysses_lc attention: kernel %s, sp_size %d", kernel, layout.sp_size)
@@ -354,16 +465,32 @@ class UlyssesAttention:
         value = replicate_kv_heads(value, sp)
         q, k, v = qkv_seq_to_heads(query, key, value, self.layout)
         dropout = dropout if module.training else 0.0
+        groups = self.groups_for(q, k)
         out = None
         active = active_checkpointed_layer()
-        if active is not None and torch.is_grad_enabled():
-            handle, saved = active
-            if saved.cache_attention and not dropout:
-                out = kept_output_attention(q, k, v, scaling, self.kernel, handle, saved)
+        if active is not None and torch.is_grad_enabled() and not dropout and active[1].cache_attention:
+            out = kept_output_attention(q, k, v, scaling, self.kernel, *active, groups=groups)
+        elif groups > 1 and not dropout:
+            out = explicit_attention(q, k, v, scaling, self.kernel, groups)
         if out is None:
             out = causal_attention(q, k, v, scaling, self.kernel, dropout)
         out_bshd = heads_to_seq(out, self.layout).transpose(1, 2)
         return out_bshd, None
+
+    def groups_for(self, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor) -> int:
+        """Head groups for one call on this rank's [b, h_local, s, d] q and k (see the note above): 1 where the
+        kernel is not ours to call or there is no backward (evaluation, inference), `head_groups` when set,
+        else `attention_head_groups` from the shapes, per sequence in the batch, on CUDA only (the CPU
+        kernel holds no such block)."""
+        if not keeps_attention_outputs(self.kernel) or not torch.is_grad_enabled():
+            return 1
+        if self.head_groups != "auto":
+            _check_groups(q_bhsd, k_bhsd, self.head_groups)
+            return self.head_groups
+        if q_bhsd.device.type != "cuda":
+            return 1
+        b, h, s, d = q_bhsd.shape
+        return attention_head_groups(b * s, h, k_bhsd.shape[1], d)
 
     # -- registration -------------------------------------------------------------------------
     def register(self) -> "UlyssesAttention":
@@ -387,6 +514,17 @@ class UlyssesAttention:
     def apply(self, model):
         """Check the model and switch its attention to this implementation; returns an undo callable."""
         check_model_for_ulysses(model.config, self.layout.sp_size)
+        if self.head_groups != "auto":
+            cfg = text_config(model.config)
+            sp = self.layout.sp_size
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            local_kv = max(kv_heads, sp) // sp
+            if local_kv % self.head_groups:
+                raise ValueError(
+                    f"head_groups={self.head_groups} must divide the kv heads each rank runs: "
+                    f"{kv_heads} kv heads over sp_size {sp} = {local_kv}; pick a divisor of "
+                    f"{local_kv}, or head_groups='auto'."
+                )
         self.register()
         previous = model.config._attn_implementation
         _set_attn(model, self.name)

@@ -53,6 +53,10 @@ class SequenceParallelCausalLM(nn.Module):
         kernel (off by default here: it costs 2 x heads x head_dim bytes per token and layer; the training
         path turns it on from its memory plan, `offload.plan_activation_memory`).
       efficient_norm: RMSNorms save their bf16 input instead of fp32 copies (rmsnorm.py).
+      attention_head_groups: run the attention kernel over this many groups of kv heads one after another,
+        so its backward's own working block (an fp32 dq accumulator and, for GQA, dk/dv at every query
+        head) exists one group at a time ("auto": the fewest groups that keep it under 1 GiB, CUDA only;
+        attention.attention_head_groups). Exact: the kernel's numbers per head.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class SequenceParallelCausalLM(nn.Module):
         cache_attention_layers: int = 0,
         min_offload_bytes: int | None = None,
         efficient_norm: bool = True,
+        attention_head_groups: int | str = "auto",
     ):
         super().__init__()
         if offload and not checkpointing:
@@ -79,7 +84,7 @@ class SequenceParallelCausalLM(nn.Module):
         self.last_num_tokens = None
         self._undo = []
         # Also at sp_size 1: the attention kernel (and its backend priority) is then ours.
-        self.attention = UlyssesAttention(layout, kernel=kernel)
+        self.attention = UlyssesAttention(layout, kernel=kernel, head_groups=attention_head_groups)
         self._undo.append(self.attention.apply(model))
         if efficient_norm:
             self._undo.append(install_memory_efficient_rmsnorm(model))

@@ -545,7 +545,7 @@ class MemoryPlan(NamedTuple):
 
 def plan_activation_memory(
     config, seq_local: int, free_bytes: int, headroom: float = 0.8, *, host_free_bytes: float | None = None,
-    offload: bool = True, cache_attention: bool = True,
+    offload: bool = True, cache_attention: bool = True, sp_size: int = 1, head_groups: int | str = "auto",
 ) -> MemoryPlan:
     """The fastest plan for a step allowed `free_bytes` more device memory (and `host_free_bytes` of RAM).
 
@@ -559,8 +559,10 @@ def plan_activation_memory(
     many checkpointed inputs (with their outputs) as fit stay on the device; the rest are offloaded.
     Bytes per local token from the layer shape (h hidden, q = heads x head_dim, kv likewise), bf16:
       plain layer    2 (4h + 3q + 3kv) x 1.25  (inputs of the norms and projections, q/k/v, attention output)
-      working set    2 (8h + 6q + 6kv) + 4q    (+ cuDNN's fp32 dq accumulator); measured 54 KB/token on
-                     the Qwen3-0.6B shape (H200, BENCHMARKS.md) against 61 KB by this formula
+      working set    2 (8h + 6q + 6kv) + (4 + 4 gqa) q / G   (+ the attention backward's own block: an
+                     fp32 dq accumulator and, for GQA, dk and dv at all query heads, over G head groups,
+                     attention.attention_head_groups at `sp_size`, or `head_groups`); on the Qwen3-0.6B
+                     shape at 256k: 57 KB/token by this formula, 45 KB/token measured (BENCHMARKS.md G)
       kept input     2h, and with a kept attention output 2q + 4 x heads more
     plus the chunked loss: its fp32 weight gradient (vocab x h x 4 bytes), the hidden-state gradient it
     computes in forward (2h per token) and ~1 GiB of logits per chunk; and the previous layer's input and
@@ -573,12 +575,19 @@ def plan_activation_memory(
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or h // heads
     q = heads * head_dim
-    kv = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    kv = kv_heads * head_dim
     layers = cfg.num_hidden_layers
+    from .attention import attention_backward_block_bytes, attention_head_groups  # attention imports us
+
+    heads_local, kv_local = heads // sp_size, max(kv_heads, sp_size) // sp_size
+    groups = head_groups if head_groups != "auto" else attention_head_groups(
+        seq_local * sp_size, heads_local, kv_local, head_dim)
+    block = attention_backward_block_bytes(seq_local * sp_size, heads_local, kv_local, head_dim) / groups
     kept = seq_local * 2 * h
     cached = seq_local * (2 * q + 4 * heads) if cache_attention else 0
     loss = getattr(cfg, "vocab_size", 0) * h * 4 + seq_local * 2 * h + (1 << 30)
-    working = seq_local * (2 * (8 * h + 6 * q + 6 * kv) + 4 * q) + loss + (kept + cached if offload else 0)
+    working = seq_local * 2 * (8 * h + 6 * q + 6 * kv) + block + loss + (kept + cached if offload else 0)
     plain = seq_local * 2 * (4 * h + 3 * q + 3 * kv) * 1.25
     avail = free_bytes * headroom - working
     if not offload:

@@ -66,6 +66,7 @@ class TrainConfig:
     keep_on_gpu: int | None = None  # None: from the memory plan, see _memory_plan
     recompute_layers: int | None = None  # None: from the memory plan
     cache_attention_layers: int | None = None  # None: from the memory plan
+    attention_head_groups: int | str = "auto"  # the attention kernel over this many kv-head groups
     cache_dir: str | None = None
     tensorboard: bool = False
     export: bool = True
@@ -81,6 +82,9 @@ class TrainConfig:
             raise ValueError(f"--lr-schedule {self.lr_schedule!r}: pick constant, linear or cosine.")
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (0 saves only at the end).")
+        groups = self.attention_head_groups
+        if groups != "auto" and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
+            raise ValueError(f"--attention-head-groups {groups!r}: give 'auto' or a whole number >= 1.")
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
@@ -257,7 +261,8 @@ def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.d
                             dtype=torch.int64, device=device)
         torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
         plan = plan_activation_memory(model_config, seq_local, int(free[0]) - 8 * num_params // layout.world_size,
-                                      host_free_bytes=int(free[1]), cache_attention=_can_keep_attention(cfg, model_config))
+                                      host_free_bytes=int(free[1]), cache_attention=_can_keep_attention(cfg, model_config),
+                                      sp_size=layout.sp_size, head_groups=cfg.attention_head_groups)
     recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan.recompute_layers
     keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan.keep_on_gpu, recompute)
     cache = cfg.cache_attention_layers if cfg.cache_attention_layers is not None else plan.cache_attention_layers
@@ -307,7 +312,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     torch.manual_seed(cfg.seed)
     hf_model = load_model(cfg.model, model_config, dtype, cfg.seed, device, ds_config)
     num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in hf_model.parameters())
-    model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel)
+    model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
 
     optimizer = None
     if "optimizer" not in ds_config:
