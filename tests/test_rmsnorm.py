@@ -44,3 +44,33 @@ def test_whole_model_loss_and_grads():
         assert err <= 1e-5, (name, err)
     undo()
     assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_row_chunks_compute_the_same_numbers(dtype, transposed):
+    # 51 rows in chunks of 5 (a ragged last one) against one chunk: output and input gradient bitwise equal
+    # (rows are independent); the weight gradient is a sum over rows split into chunk sums, so it is held to
+    # fp32 rounding of that sum (1e-6 relative norm), then cast to the weight's dtype (bf16: at most one
+    # rounding step per element, 2^-8 relative).
+    torch.manual_seed(1)
+    weight = torch.empty(48, dtype=dtype).uniform_(0.5, 1.5).requires_grad_()
+    x = torch.randn(3, 48, 17, dtype=dtype).transpose(1, 2) if transposed else torch.randn(3, 17, 48, dtype=dtype)
+    x.requires_grad_()
+    g = torch.randn(3, 17, 48, dtype=dtype)
+    whole = RMSNormFunction.apply(x, weight, 1e-6, 10**9)
+    gx_whole, gw_whole = torch.autograd.grad(whole, (x, weight), g)
+    chunked = RMSNormFunction.apply(x, weight, 1e-6, 5)
+    gx, gw = torch.autograd.grad(chunked, (x, weight), g)
+    assert torch.equal(chunked, whole)
+    assert torch.equal(gx, gx_whole)
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    assert ((gw.double() - gw_whole.double()).norm() / gw_whole.double().norm()).item() <= tol
+
+
+def test_default_chunk_is_a_quarter_gib_of_fp32():
+    from ulysses_lc.rmsnorm import _rows_per_chunk
+
+    assert _rows_per_chunk(128) == 2**19  # the q/k norms: 512k rows of one head
+    assert _rows_per_chunk(1024) == 2**16
+    assert _rows_per_chunk(2**30) == 1

@@ -19,30 +19,67 @@ import torch
 import torch.nn as nn
 
 
+# fp32 bytes of one row chunk's temporaries. Forward and backward walk rows in chunks of this size: the fp32
+# upcasts (x, x_hat, the gradient terms) exist one chunk at a time. Unchunked, the per-head q norm of one
+# 256k-token layer (Qwen3-0.6B: 4M rows of 128) held 9.5 GiB of them at once in backward: the peak of the
+# whole step once the attention kernel ran over head groups (BENCHMARKS.md F). Rows are independent, so
+# the chunks compute the same numbers; only the weight gradient's sum over rows is split into chunk sums.
+_CHUNK_BYTES = 256 << 20
+
+
+def _rows_per_chunk(width: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * width))
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Forward: weight * (x * rsqrt(mean(x^2) + eps)) with the normalisation in fp32, cast back to x's dtype
     before the weight (transformers' order). Saves x (its own dtype), weight and rstd [t, 1] fp32; sends
-    nothing. Backward recomputes x_hat from x and rstd."""
+    nothing. Backward recomputes x_hat from x and rstd. Both walk rows in chunks of `chunk_rows` (None:
+    ~256 MiB of fp32 per temporary); the weight gradient is summed per chunk in fp32."""
 
     @staticmethod
-    def forward(ctx, x_th, weight_h, eps):
-        x_f = x_th.to(torch.float32)
-        rstd = torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + eps)
-        y = weight_h * (x_f * rstd).to(x_th.dtype)
-        ctx.save_for_backward(x_th, weight_h, rstd)
-        return y
+    def forward(ctx, x_th, weight_h, eps, chunk_rows=None):
+        width = x_th.shape[-1]
+        x_rh = x_th.reshape(-1, width)
+        rows = x_rh.shape[0]
+        chunk = chunk_rows or _rows_per_chunk(width)
+        y_rh = torch.empty(x_rh.shape, dtype=torch.promote_types(weight_h.dtype, x_th.dtype), device=x_th.device)
+        rstd_r1 = torch.empty(rows, 1, dtype=torch.float32, device=x_th.device)
+        for start in range(0, rows, chunk):
+            x_f = x_rh[start:start + chunk].to(torch.float32)
+            rstd = torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + eps)
+            rstd_r1[start:start + chunk] = rstd
+            torch.mul(weight_h, (x_f * rstd).to(x_th.dtype), out=y_rh[start:start + chunk])
+            del x_f
+        ctx.save_for_backward(x_th, weight_h, rstd_r1)
+        ctx.chunk = chunk
+        return y_rh.view(x_th.shape)
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_th, weight_h, rstd = ctx.saved_tensors
-        x_hat = x_th.to(torch.float32) * rstd
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            normed = x_hat.to(x_th.dtype)
-            grad_weight = (grad_y * normed).flatten(0, -2).sum(0, dtype=torch.float32).to(weight_h.dtype)
-        grad_x_hat = (grad_y * weight_h).to(torch.float32)
-        grad_x = rstd * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
-        return grad_x.to(x_th.dtype), grad_weight, None
+        x_th, weight_h, rstd_r1 = ctx.saved_tensors
+        width = x_th.shape[-1]
+        x_rh = x_th.reshape(-1, width)
+        grad_y_rh = grad_y.reshape(-1, width)
+        need_weight = ctx.needs_input_grad[1]
+        grad_x_rh = torch.empty_like(x_rh) if ctx.needs_input_grad[0] else None
+        grad_weight_f = torch.zeros(width, dtype=torch.float32, device=x_th.device) if need_weight else None
+        for start in range(0, x_rh.shape[0], ctx.chunk):
+            end = start + ctx.chunk
+            rstd = rstd_r1[start:end]
+            grad_y_c = grad_y_rh[start:end]
+            x_hat = x_rh[start:end].to(torch.float32) * rstd
+            if need_weight:
+                grad_weight_f += (grad_y_c * x_hat.to(x_th.dtype)).sum(0, dtype=torch.float32)
+            if grad_x_rh is not None:
+                grad_x_hat = (grad_y_c * weight_h).to(torch.float32)
+                proj = (grad_x_hat * x_hat).mean(-1, keepdim=True)
+                grad_x_hat.sub_(x_hat.mul_(proj)).mul_(rstd)
+                grad_x_rh[start:end] = grad_x_hat
+            del x_hat
+        grad_x = None if grad_x_rh is None else grad_x_rh.view(x_th.shape)
+        grad_weight = None if grad_weight_f is None else grad_weight_f.to(weight_h.dtype)
+        return grad_x, grad_weight, None, None
 
 
 def _efficient_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
