@@ -269,7 +269,8 @@ def _explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
 # torch's FLASH backend holds more). Heads are independent, so the kernel can run over groups of whole kv
 # heads (each with its query heads) one after another: that block shrinks by the group count. Outputs and
 # gradients are written into full-size tensors; each group's own (1/G of them) is transient. The numbers are
-# the kernel's own per head, bitwise equal to one call over all heads (tests: CPU, and cuDNN on the GPU).
+# the kernel's own per head: bitwise equal to one call over all heads on CPU (tests); cuDNN's backward is
+# not deterministic run to run (atomic dq accumulation), and the groups stay within that spread (GPU test).
 # Groups of whole kv heads keep every kv head's gradient inside one call: splitting the query heads that
 # share a kv head would add partial dk, dv sums in another order. Under Ulysses a rank holds h_kv / sp kv
 # heads (at least one), so the groups are divisors of that.
@@ -307,7 +308,8 @@ def _check_groups(q, k, groups: int) -> None:
 
 
 def _grouped_forward(backend, q, k, v, scale, groups):
-    """(out, lse, per-group aux) of the backend's forward over `groups` head groups."""
+    """(out, lse, per-group aux) of the backend's forward over `groups` head groups; lse is the kernel's own
+    for one group, [groups, b, h / groups, s] for more."""
     fwd = _EXPLICIT[backend][0]
     if groups == 1:
         out, lse, aux = fwd(q, k, v, scale)
@@ -319,12 +321,14 @@ def _grouped_forward(backend, q, k, v, scale, groups):
         sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
         out_g, lse_g, aux = fwd(q[:, sq], k[:, sk], v[:, sk], scale)
         if out is None:
-            # The kernels lay the output out like q (empty_like keeps q's strides), so every group's slice
-            # has the strides the group's own output had: the backward reads it as it would have.
+            # out in q's layout (empty_like keeps q's strides); the backward ops read out and dout through
+            # their strides. lse is kept group-major, [groups, b, h / groups, s]: FLASH's backward reads the
+            # log-sum-exp as a contiguous [b, h, s] block whatever its strides, so a head slice of one
+            # [b, h, s] tensor would hand it another head's values from the second sequence on.
             out = torch.empty_like(q, dtype=out_g.dtype)
-            lse = lse_g.new_empty(lse_g.shape[0], q.shape[1], *lse_g.shape[2:])
+            lse = lse_g.new_empty(groups, *lse_g.shape)
         out[:, sq].copy_(out_g)
-        lse[:, sq].copy_(lse_g)
+        lse[g].copy_(lse_g)
         auxes.append(aux)
         del out_g, lse_g
     return out, lse, tuple(auxes)
@@ -339,7 +343,7 @@ def _grouped_backward(backend, dout, q, k, v, out, lse, auxes, scale):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for g, aux in enumerate(auxes):
         sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
-        dq_g, dk_g, dv_g = bwd(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[:, sq], aux, scale)
+        dq_g, dk_g, dv_g = bwd(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[g], aux, scale)
         dq[:, sq].copy_(dq_g)
         dk[:, sk].copy_(dk_g)
         dv[:, sk].copy_(dv_g)
