@@ -237,6 +237,13 @@ def _can_keep_attention(cfg: TrainConfig, model_config) -> bool:
     return keeps_attention_outputs(cfg.kernel) and dropout == 0.0
 
 
+def _plan_head_groups(cfg: TrainConfig, model_config) -> int | str:
+    """The head groups the plan may count on: the attention kernel runs over groups only where it is called
+    explicitly, the same condition as kept outputs (an SDPA kernel, no attention dropout); else one call,
+    whose whole backward block the plan must reserve."""
+    return cfg.attention_head_groups if _can_keep_attention(cfg, model_config) else 1
+
+
 def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.device, num_params: int,
                  layout: ParallelLayout) -> MemoryPlan:
     """(recompute_layers, keep_on_gpu, cache_attention_layers): flags win; otherwise
@@ -262,7 +269,7 @@ def _memory_plan(cfg: TrainConfig, model_config, seq_local: int, device: torch.d
         torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
         plan = plan_activation_memory(model_config, seq_local, int(free[0]) - 8 * num_params // layout.world_size,
                                       host_free_bytes=int(free[1]), cache_attention=_can_keep_attention(cfg, model_config),
-                                      sp_size=layout.sp_size, head_groups=cfg.attention_head_groups)
+                                      sp_size=layout.sp_size, head_groups=_plan_head_groups(cfg, model_config))
     recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan.recompute_layers
     keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan.keep_on_gpu, recompute)
     cache = cfg.cache_attention_layers if cfg.cache_attention_layers is not None else plan.cache_attention_layers
