@@ -74,3 +74,27 @@ def test_default_chunk_is_a_quarter_gib_of_fp32():
     assert _rows_per_chunk(128) == 2**19  # the q/k norms: 512k rows of one head
     assert _rows_per_chunk(1024) == 2**16
     assert _rows_per_chunk(2**30) == 1
+
+
+def test_temporaries_exist_one_chunk_at_a_time():
+    # The point of the chunks: no fp32 tensor larger than one chunk is made in forward or backward (bf16 in and
+    # out, so every fp32 tensor is a temporary, rstd and the weight gradient aside). Whole, they are 51 x 48.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestFp32(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    LargestFp32.largest = max(LargestFp32.largest, t.numel())
+            return out
+
+    weight = torch.ones(48, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(3, 17, 48, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(3, 17, 48, dtype=torch.bfloat16)
+    with LargestFp32():
+        y = RMSNormFunction.apply(x, weight, 1e-6, 5)
+        torch.autograd.grad(y, (x, weight), g)
+    assert LargestFp32.largest == 5 * 48

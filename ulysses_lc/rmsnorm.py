@@ -17,6 +17,7 @@ import types
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 
 # fp32 bytes of one row chunk's temporaries. Forward and backward walk rows in chunks of this size: the fp32
@@ -56,6 +57,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y_rh.view(x_th.shape)
 
     @staticmethod
+    @once_differentiable  # the backward works in place on its temporaries: no double backward through it
     def backward(ctx, grad_y):
         x_th, weight_h, rstd_r1 = ctx.saved_tensors
         width = x_th.shape[-1]
