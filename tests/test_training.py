@@ -118,6 +118,7 @@ def bad_input_worker(rank, world_size, cfg_dict, tmp):
     cases = {
         "sp_not_dividing_world": replace(cfg, sp_size=3),
         "seq_too_short": replace(cfg, seq_len=1),
+        "head_groups_zero": replace(cfg, attention_head_groups=0),
         "ds_grad_accumulation": replace(cfg, ds_config=f"{tmp}/ga.json"),
         "missing_data": replace(cfg, data=f"{tmp}/nope.txt"),
         "too_few_tokens": replace(cfg, data=f"{tmp}/few.npy"),
@@ -144,6 +145,7 @@ def bad_input_worker(rank, world_size, cfg_dict, tmp):
 EXPECTED = {
     "sp_not_dividing_world": "pick sp_size in",
     "seq_too_short": "at least 2 tokens",
+    "head_groups_zero": "--attention-head-groups 0: give 'auto' or a whole number >= 1",
     "ds_grad_accumulation": "gradient_accumulation_steps=4",
     "missing_data": "no file or folder exists",
     "too_few_tokens": "one step needs seq_len=2,048",

@@ -299,6 +299,11 @@ def attention_head_groups(
     return kv_heads
 
 
+def valid_head_groups(value) -> bool:
+    """Whether `value` is a head-group setting: "auto" or an int >= 1 (not a bool)."""
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
 def _check_groups(q, k, groups: int) -> None:
     if groups < 1 or k.shape[1] % groups or q.shape[1] % groups:
         raise ValueError(
@@ -437,8 +442,7 @@ class UlyssesAttention:
     ):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; pick one of {KERNELS}.")
-        if head_groups != "auto" and (isinstance(head_groups, bool) or not isinstance(head_groups, int)
-                                      or head_groups < 1):
+        if not valid_head_groups(head_groups):
             raise ValueError(f"head_groups must be 'auto' or an int >= 1, got {head_groups!r}.")
         kernel = resolve_kernel(kernel)
         if kernel.startswith("flash"):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .attention import check_model_for_ulysses, keeps_attention_outputs
+from .attention import check_model_for_ulysses, keeps_attention_outputs, valid_head_groups
 from .data import build_token_stream, parse_source
 from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .layout import ParallelLayout
@@ -82,9 +82,9 @@ class TrainConfig:
             raise ValueError(f"--lr-schedule {self.lr_schedule!r}: pick constant, linear or cosine.")
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (0 saves only at the end).")
-        groups = self.attention_head_groups
-        if groups != "auto" and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
-            raise ValueError(f"--attention-head-groups {groups!r}: give 'auto' or a whole number >= 1.")
+        if not valid_head_groups(self.attention_head_groups):
+            raise ValueError(f"--attention-head-groups {self.attention_head_groups!r}: give 'auto' or a whole "
+                             "number >= 1.")
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
