@@ -89,10 +89,13 @@ def _cudnn_first():
 # ---- the three step implementations: each returns (batch_fn(ids_cpu) -> batch, fwd_bwd(batch) -> loss) ----
 
 def setup_ours(model, layout, **levers):
-    """ulysses_lc.SequenceParallelCausalLM with the given levers (defaults: all on)."""
-    from ulysses_lc import SequenceParallelCausalLM, shard_batch
+    """ulysses_lc.SequenceParallelCausalLM with the given levers (defaults: all on); "plan" is a MemoryPlan's
+    (recompute_layers, keep_on_gpu, cache_attention_layers) as a list (specs travel as JSON)."""
+    from ulysses_lc import MemoryPlan, SequenceParallelCausalLM, shard_batch
 
-    wrapper = SequenceParallelCausalLM(model, layout, **levers)
+    levers = dict(levers)
+    plan = levers.pop("plan", None)
+    wrapper = SequenceParallelCausalLM(model, layout, plan=MemoryPlan(*plan) if plan else None, **levers)
 
     def batch_fn(ids):
         return shard_batch(ids, layout).to(_device()).as_kwargs()
@@ -338,18 +341,16 @@ def run_variant(spec: dict) -> dict:
         rec["loss_warmup"] = float(loss_w)
 
         if spec.get("plan"):
-            # What the training path does (training._memory_plan): plan from the free device and host memory
-            # once the optimizer state exists. Free device memory includes what the allocator caches.
-            import psutil
+            # What the training path does: memory.plan_step_memory once the optimizer state exists (here after
+            # the warm-up step; the training path reserves the optimizer state before its first step).
+            import dataclasses
 
-            from ulysses_lc.offload import plan_activation_memory
+            from ulysses_lc.memory import plan_step_memory
 
-            free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
             groups = spec.get("levers", {}).get("attention_head_groups", "auto")
-            plan = plan_activation_memory(config, seq, free, host_free_bytes=psutil.virtual_memory().available,
-                                          head_groups=groups)
-            module.checkpointing.configure(*plan)
-            rec["plan"] = plan._asdict()
+            plan = plan_step_memory(module.shape, seq, layout, dev, kernel=module.attention.kernel, head_groups=groups)
+            module.use_plan(plan)
+            rec["plan"] = dataclasses.asdict(plan)
             _sync()
             torch.cuda.empty_cache()
 
@@ -430,7 +431,7 @@ SUITES = {
         _v("alst@64k", "alst", 64 * K, 35),
         _v("ours-plan@128k", "ours", 128 * K, 45, plan=True),
         _v("alst@128k", "alst", 128 * K, 62),
-        _v("ours-kept@128k", "ours", 128 * K, 50, levers=dict(cache_attention_layers=28)),
+        _v("ours-kept@128k", "ours", 128 * K, 50, levers=dict(plan=[28, 0, 28])),
     ],
     "speed2b": [
         _v("ours-plan@256k", "ours", 256 * K, 80, warmup="short", plan=True),
@@ -477,7 +478,7 @@ SUITES = {
         _v("ours", "ours", 256, 30, shape="tiny", probe=True),
         _v("ours-full-logits", "ours", 256, 30, shape="tiny", levers=dict(chunked_loss=False)),
         _v("ours-chunk-only", "ours", 256, 30, shape="tiny", levers=CHUNK_ONLY),
-        _v("ours-kept-attention", "ours", 256, 30, shape="tiny", levers=dict(cache_attention_layers=2)),
+        _v("ours-kept-attention", "ours", 256, 30, shape="tiny", levers=dict(plan=[2, 0, 2])),
         _v("alst", "alst", 256, 40, shape="tiny", probe=True),
         _v("stock", "stock", 256, 30, shape="tiny", probe=True, warmup="short"),
     ],

@@ -159,7 +159,7 @@ def test_tied_qwen3_every_grad_matches_plain_loss():
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    undo = install_chunked_loss_head(model, chunk_rows=5)
+    undo = install_chunked_loss_head(model, chunk_rows=5).undo
     assert isinstance(model.lm_head, ChunkedLossHead)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     hidden_bsh = model.model(input_ids=input_ids).last_hidden_state

@@ -10,7 +10,7 @@ import torch
 
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
-from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, shard_batch
+from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
 from ulysses_lc.ds_config import check_deepspeed_config
 
 STEPS = 3
@@ -24,7 +24,7 @@ CONFIG = {
 
 NO_LEVERS = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False, efficient_norm=False)
 ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True, min_offload_bytes=0,
-                  cache_attention_layers=2)
+                  plan=MemoryPlan(2, 0, 2))
 
 
 def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family="qwen3"):

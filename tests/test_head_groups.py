@@ -19,10 +19,10 @@ import torch
 
 from tests._dist import run_distributed
 from tests.test_sp_parity import assert_close, make_sequence, reference
-from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
-from ulysses_lc import attention as attention_mod
-from ulysses_lc.attention import (
-    UlyssesAttention,
+from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
+from ulysses_lc import kernels as attention_mod
+from ulysses_lc.attention import UlyssesAttention
+from ulysses_lc.kernels import (
     attention_backward_block_bytes,
     attention_head_groups,
     causal_attention,
@@ -146,15 +146,16 @@ def _has_flash_attn():
 
 
 def test_the_training_plan_counts_groups_only_where_the_kernel_runs_them():
-    from ulysses_lc.training import TrainConfig, _plan_head_groups
+    from ulysses_lc import ModelShape
+    from ulysses_lc.memory import planned_head_groups
     from tests.models import tiny_config
 
-    config = tiny_config("qwen3")
-    assert _plan_head_groups(TrainConfig(kernel="auto"), config) == "auto"
-    assert _plan_head_groups(TrainConfig(kernel="sdpa", attention_head_groups=2), config) == 2
+    shape = ModelShape.from_config(tiny_config("qwen3"))
+    assert planned_head_groups(shape, "auto", "auto") == "auto"
+    assert planned_head_groups(shape, "sdpa", 2) == 2
     # flash-attn kernels run over all heads at once; attention dropout takes the plain SDPA path.
-    assert _plan_head_groups(TrainConfig(kernel="flash_attention_2"), config) == 1
-    assert _plan_head_groups(TrainConfig(kernel="auto"), tiny_config("qwen3", attention_dropout=0.1)) == 1
+    assert planned_head_groups(shape, "flash_attention_2", "auto") == 1
+    assert planned_head_groups(ModelShape.from_config(tiny_config("qwen3", attention_dropout=0.1)), "auto", 4) == 1
 
 
 def _grouped_worker(rank, world_size, overrides, levers, input_ids, labels):
@@ -187,7 +188,7 @@ def test_sp2_with_head_groups_equals_plain_single_process(cache_attention_layers
     overrides = {"num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 2}
     ref = reference("qwen3", input_ids, labels, **overrides)
     levers = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True,
-                  cache_attention_layers=cache_attention_layers, attention_head_groups=2, kernel="sdpa")
+                  plan=MemoryPlan(2, 0, cache_attention_layers), attention_head_groups=2, kernel="sdpa")
     for loss, grads, calls in run_distributed(_grouped_worker, 2, overrides, levers, input_ids, labels):
         assert_close(loss, grads, *ref)
         # 2 layers x 2 groups in the forward; the recompute runs them again unless the output was kept.
@@ -216,7 +217,7 @@ def test_cuda_grouped_kernel_within_the_kernel_s_own_spread(seq_major, kernel):
     # the same call on the same inputs differ (measured on the H200: 2.4e-4 max abs at 64k tokens). Each
     # group count must stay within twice the spread of three runs of the one call over all heads, and be
     # bitwise equal wherever the kernel is (a spread of 0).
-    from ulysses_lc.attention import resolve_kernel
+    from ulysses_lc.kernels import resolve_kernel
 
     kernel = resolve_kernel(kernel)
     q, k, v, dout = _inputs(16, 8, 8192, 128, torch.bfloat16, device="cuda", seq_major=seq_major)

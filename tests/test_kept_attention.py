@@ -16,9 +16,11 @@ from transformers import Qwen3Config
 
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
-from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, shard_batch
-from ulysses_lc import attention as attention_mod
-from ulysses_lc.offload import MemoryPlan, plan_activation_memory
+from ulysses_lc import LayerRun, ParallelLayout, SequenceParallelCausalLM, shard_batch
+from ulysses_lc import kernels as attention_mod
+from ulysses_lc.checkpointing import install_checkpointing
+from ulysses_lc.memory import MemoryPlan, plan_memory
+from ulysses_lc.shape import ModelShape
 
 LAYERS, SEQ = 3, 64
 
@@ -82,11 +84,11 @@ def kept_worker(rank, world_size, sp, cases):
 
 CASES = {
     "plain_ckpt": dict(offload=True),
-    "kept_all": dict(offload=True, cache_attention_layers=LAYERS),
-    "kept_last2": dict(offload=True, cache_attention_layers=2),
-    "kept_all_keep1": dict(offload=True, cache_attention_layers=LAYERS, keep_on_gpu=1),
-    "kept_no_offload": dict(offload=False, cache_attention_layers=LAYERS),
-    "kept_partial_recompute": dict(offload=True, recompute_layers=2, cache_attention_layers=2),
+    "kept_all": dict(offload=True, plan=MemoryPlan(LAYERS, 0, LAYERS)),
+    "kept_last2": dict(offload=True, plan=MemoryPlan(LAYERS, 0, 2)),
+    "kept_all_keep1": dict(offload=True, plan=MemoryPlan(LAYERS, 1, LAYERS)),
+    "kept_no_offload": dict(offload=False, plan=MemoryPlan(LAYERS, LAYERS, LAYERS)),
+    "kept_partial_recompute": dict(offload=True, plan=MemoryPlan(2, 0, 2)),
 }
 
 
@@ -131,7 +133,7 @@ def test_kept_attention_host_bytes(sp):
 def order_worker(rank, world_size, cache):
     layout = ParallelLayout.build(1)
     model = SequenceParallelCausalLM(build("qwen3", num_hidden_layers=4), layout, min_offload_bytes=0,
-                                     cache_attention_layers=cache)
+                                     plan=MemoryPlan(4, 0, cache))
     handle = model.checkpointing
     events = []
     copy, done = handle._copy_to_device, handle._attention_block_backward_done
@@ -161,6 +163,10 @@ def test_prefetch_waits_for_attention_backward(cache):
                       ("copy", 1), ("attention block backward", 1), ("copy", 0), ("attention block backward", 0)], events
 
 
+def _plan(config, seq_local, free, sp_size=1, **kwargs):
+    return plan_memory(ModelShape.from_config(config), seq_local * sp_size, free, sp_size=sp_size, **kwargs)
+
+
 def test_memory_plan_with_kept_attention():
     shape = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
@@ -168,23 +174,21 @@ def test_memory_plan_with_kept_attention():
     # 2.1 GB) - 3.8 GB loss - 6.5 GB for the prefetched input + attention output = 27.7 GB: no room for a
     # plain layer (34.9 GB), 4 layers of 2.1 + 4.4 GB stay on the device; with unlimited host memory every
     # layer keeps its attention output.
-    assert plan_activation_memory(shape, 1 << 20, 120e9) == MemoryPlan(28, 4, 28)
+    assert _plan(shape, 1 << 20, 120e9) == MemoryPlan(28, 4, 28)
     # 100 GB of RAM: 80 GB planned - 24 offloaded inputs x 2.1 GB = 29.6 GB -> 6 offloaded attention outputs
     # of 4.36 GB, plus the 4 kept on the device.
-    assert plan_activation_memory(shape, 1 << 20, 120e9, host_free_bytes=100e9) == MemoryPlan(28, 4, 10)
+    assert _plan(shape, 1 << 20, 120e9, host_free_bytes=100e9) == MemoryPlan(28, 4, 10)
     # 128k tokens: 19 layers skip the recompute; the 9 checkpointed keep their attention output.
-    assert plan_activation_memory(shape, 1 << 17, 120e9) == MemoryPlan(9, 2, 9)
+    assert _plan(shape, 1 << 17, 120e9) == MemoryPlan(9, 2, 9)
     # Without offload the outputs come before plain layers: 11 checkpointed, all keeping outputs.
-    assert plan_activation_memory(shape, 1 << 17, 120e9, offload=False) == MemoryPlan(11, 11, 11)
+    assert _plan(shape, 1 << 17, 120e9, offload=False) == MemoryPlan(11, 11, 11)
     # No room beyond one layer's working set: recompute and offload everything (outputs to the host).
-    assert plan_activation_memory(shape, 1 << 20, 10e9) == MemoryPlan(28, 0, 28)
-    assert plan_activation_memory(shape, 1 << 20, 10e9, cache_attention=False) == MemoryPlan(28, 0, 0)
+    assert _plan(shape, 1 << 20, 10e9) == MemoryPlan(28, 0, 28)
+    assert _plan(shape, 1 << 20, 10e9, keep_attention=False) == MemoryPlan(28, 0, 0)
 
 
 def test_configure_checks_cache_range():
-    from ulysses_lc.offload import enable_checkpointing
-
-    handle = enable_checkpointing(build("qwen3", num_hidden_layers=LAYERS), cache_attention_layers=2)
+    handle = install_checkpointing(build("qwen3", num_hidden_layers=LAYERS), cache_attention_layers=2)
     assert handle.report()["cached_attention_layers"] == 2
     handle.configure(recompute_layers=1)  # the cached count follows recompute_layers down
     assert handle.report()["cached_attention_layers"] == 1
@@ -209,7 +213,7 @@ def test_cuda_kept_attention_bitwise():
         torch.manual_seed(0)
         hf = build("qwen3", num_hidden_layers=LAYERS, hidden_size=256, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=64).to("cuda", torch.bfloat16)
-        model = SequenceParallelCausalLM(hf, layout, min_offload_bytes=0, cache_attention_layers=cache)
+        model = SequenceParallelCausalLM(hf, layout, min_offload_bytes=0, plan=MemoryPlan(LAYERS, 0, cache))
         batch = shard_batch(ids, layout).to("cuda").as_kwargs()
         for _ in range(2):
             loss = model(**batch)
@@ -227,10 +231,8 @@ def test_cuda_kept_attention_bitwise():
 
 def test_second_backward_through_offloaded_graph_is_refused():
     from tests.test_offload import _input_ids, _model
-    from ulysses_lc.offload import enable_checkpointing
-
     model = _model()
-    enable_checkpointing(model, offload=True, min_offload_bytes=0)
+    install_checkpointing(model, offload=True, min_offload_bytes=0)
     logits = model(input_ids=_input_ids(), use_cache=False).logits
     logits.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True"):
@@ -238,10 +240,8 @@ def test_second_backward_through_offloaded_graph_is_refused():
 
 
 def test_host_pool_drops_buffers_a_new_plan_or_length_no_longer_uses():
-    from ulysses_lc.offload import enable_checkpointing
-
     model = build("qwen3", num_hidden_layers=LAYERS)
-    handle = enable_checkpointing(model, offload=True, min_offload_bytes=0)
+    handle = install_checkpointing(model, offload=True, min_offload_bytes=0)
 
     def step(seq):
         ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(seq))
@@ -271,16 +271,14 @@ def test_kept_outputs_released_after_backward_while_the_loss_lives():
 def _leak_worker(rank, world_size):
     import gc
 
-    from ulysses_lc.offload import _LayerSaved
-
     layout = ParallelLayout.build(1)
     model = SequenceParallelCausalLM(build("qwen3", num_hidden_layers=LAYERS), layout, offload=False,
-                                     cache_attention_layers=LAYERS)
+                                     plan=MemoryPlan(LAYERS, LAYERS, LAYERS))
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
     loss = model(**shard_batch(ids, layout).as_kwargs())
     loss.backward()
     gc.collect()
-    records = [o for o in gc.get_objects() if isinstance(o, _LayerSaved)]
-    held = sum(r.attention is not None for r in records)
+    records = [o for o in gc.get_objects() if isinstance(o, LayerRun)]
+    held = sum(r.kept_attention is not None for r in records)
     assert loss.grad_fn is not None  # the graph is still alive
     return held, len(records)

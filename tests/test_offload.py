@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ulysses_lc.offload import enable_checkpointing
+from ulysses_lc.checkpointing import install_checkpointing
 
 B, S, H, LAYERS = 2, 16, 32, 3
 
@@ -68,7 +68,7 @@ def references():
 def test_offload_bitwise_equal_to_checkpointing(references, keep_on_gpu):
     (plain_loss, plain_grads), (ckpt_loss, ckpt_grads) = references
     model = _model()
-    handle = enable_checkpointing(model, offload=True, keep_on_gpu=keep_on_gpu, min_offload_bytes=0)
+    handle = install_checkpointing(model, offload=True, keep_on_gpu=keep_on_gpu, min_offload_bytes=0)
     loss, grads = _loss_and_grads(model, _input_ids())
 
     assert torch.equal(loss, ckpt_loss)
@@ -86,7 +86,7 @@ def test_offload_bitwise_equal_to_checkpointing(references, keep_on_gpu):
 def test_without_offload_matches_checkpointing(references):
     _, (ckpt_loss, ckpt_grads) = references
     model = _model()
-    handle = enable_checkpointing(model, offload=False)
+    handle = install_checkpointing(model, offload=False)
     loss, grads = _loss_and_grads(model, _input_ids())
     assert torch.equal(loss, ckpt_loss)
     assert all(torch.equal(grads[n], ckpt_grads[n]) for n in grads)
@@ -97,7 +97,7 @@ def test_backward_reads_the_host_copy(references):
     """Scaling the host copies between forward and backward must change the gradients."""
     _, (_, ckpt_grads) = references
     model = _model()
-    handle = enable_checkpointing(model, offload=True, min_offload_bytes=0)
+    handle = install_checkpointing(model, offload=True, min_offload_bytes=0)
     input_ids = _input_ids()
     logits = model(input_ids=input_ids, use_cache=False).logits
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, 128), input_ids[:, 1:].reshape(-1))
@@ -113,12 +113,12 @@ def test_backward_reads_the_host_copy(references):
 
 def test_small_tensors_stay_and_second_step_recounts():
     model = _model()
-    handle = enable_checkpointing(model, offload=True)  # default 256 KiB threshold > 4 KiB inputs
+    handle = install_checkpointing(model, offload=True)  # default 256 KiB threshold > 4 KiB inputs
     _loss_and_grads(model, _input_ids())
     assert handle.host_bytes == 0
 
     handle.undo()
-    handle = enable_checkpointing(model, offload=True, min_offload_bytes=0)
+    handle = install_checkpointing(model, offload=True, min_offload_bytes=0)
     for _ in range(2):
         _loss_and_grads(model, _input_ids())
         assert handle.host_bytes == LAYERS * B * S * H * 4
@@ -128,7 +128,7 @@ def test_undo_restores_model(references):
     (plain_loss, plain_grads), _ = references
     model = _model()
     layer_cls = type(model.model.layers[0])
-    handle = enable_checkpointing(model, offload=True, min_offload_bytes=0)
+    handle = install_checkpointing(model, offload=True, min_offload_bytes=0)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     handle.undo()
     for layer in model.model.layers:
@@ -144,9 +144,9 @@ def test_undo_restores_model(references):
 def test_bad_arguments():
     model = _model()
     with pytest.raises(ValueError, match="keep_on_gpu"):
-        enable_checkpointing(model, keep_on_gpu=LAYERS + 1)
+        install_checkpointing(model, keep_on_gpu=LAYERS + 1)
     with pytest.raises(ValueError, match="use_reentrant"):
-        enable_checkpointing(model, checkpoint_kwargs={"use_reentrant": True})
+        install_checkpointing(model, checkpoint_kwargs={"use_reentrant": True})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host memory and side-stream copies")
@@ -155,7 +155,7 @@ def test_cuda_offload_bitwise_equal(keep_on_gpu):
     model = _model().cuda()
     input_ids = _input_ids("cuda")
     ckpt_loss, ckpt_grads = _hf_checkpointed(model, input_ids)
-    handle = enable_checkpointing(model, offload=True, keep_on_gpu=keep_on_gpu, min_offload_bytes=0)
+    handle = install_checkpointing(model, offload=True, keep_on_gpu=keep_on_gpu, min_offload_bytes=0)
     for _ in range(2):
         loss, grads = _loss_and_grads(model, input_ids)
         assert torch.equal(loss, ckpt_loss)
@@ -170,7 +170,7 @@ def test_partial_recompute_matches_plain():
     ref_loss = ref_model(input_ids=ids, labels=ids).loss
     ref_loss.backward()
     model = _model()
-    handle = enable_checkpointing(model, offload=True, min_offload_bytes=0, recompute_layers=1)
+    handle = install_checkpointing(model, offload=True, min_offload_bytes=0, recompute_layers=1)
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, False]
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -185,22 +185,22 @@ def test_partial_recompute_matches_plain():
 def test_memory_plan_arithmetic():
     from transformers import Qwen3Config
 
-    from ulysses_lc.offload import plan_activation_memory
+    from tests.test_kept_attention import _plan
 
     shape = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
-    # Without kept attention outputs (cache_attention=False; tests/test_kept_attention.py has the default).
+    # Without kept attention outputs (keep_attention=False; tests/test_kept_attention.py has the default).
     # 1M tokens on one H200 with ~120 GB free: every layer recomputed, as many inputs kept as fit
     # (96 GB planned - 58.0 GB working set - 3.8 GB loss - 2.1 GB prefetched input = 32.0 GB = 14 inputs of 2.1 GB).
-    assert plan_activation_memory(shape, 1 << 20, 120e9, cache_attention=False) == (28, 14, 0)
+    assert _plan(shape, 1 << 20, 120e9, keep_attention=False).counts == (28, 14, 0)
     # The attention kernel over one call instead of 8 head groups: its backward block is 17.2 GB instead of
     # 2.1 GB, 7 inputs fewer fit.
-    assert plan_activation_memory(shape, 1 << 20, 120e9, cache_attention=False, head_groups=1) == (28, 7, 0)
+    assert _plan(shape, 1 << 20, 120e9, keep_attention=False, head_groups=1).counts == (28, 7, 0)
     # At sp 2 a rank plans for its 512k tokens, and for attention its 8 q / 4 kv heads over the whole 1M: 4
     # groups of the same 2.1 GB block. 96 GB - 27.9 GB working set - 2.1 GB block - 2.8 GB loss - 1.1 GB
     # prefetched = 62.1 GB: 3 plain layers of 17.4 GB, then 9 inputs of 1.07 GB stay on the device.
-    assert plan_activation_memory(shape, 1 << 19, 120e9, cache_attention=False, sp_size=2) == (25, 9, 0)
+    assert _plan(shape, 1 << 19, 120e9, keep_attention=False, sp_size=2).counts == (25, 9, 0)
     # 128k tokens: most layers skip the recompute, the checkpointed rest keep their inputs on the GPU.
-    assert plan_activation_memory(shape, 1 << 17, 120e9, cache_attention=False) == (9, 9, 0)
+    assert _plan(shape, 1 << 17, 120e9, keep_attention=False).counts == (9, 9, 0)
     # No room beyond one layer's working set: recompute and offload everything.
-    assert plan_activation_memory(shape, 1 << 20, 10e9, cache_attention=False) == (28, 0, 0)
+    assert _plan(shape, 1 << 20, 10e9, keep_attention=False).counts == (28, 0, 0)

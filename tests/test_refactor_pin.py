@@ -20,8 +20,7 @@ from tests._dist import run_distributed
 from tests.models import VOCAB, build
 
 PIN = Path(__file__).parent / "data" / "parity_pin.pt"
-LEVERS_SP2 = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True, keep_on_gpu=0,
-                  cache_attention_layers=1)
+LEVERS_SP2 = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True)
 
 
 def _sequence():
@@ -44,14 +43,14 @@ def _run(model, layout, ids, labels):
 
 
 def pin_worker(rank, world_size):
-    from ulysses_lc import ParallelLayout, SequenceParallelCausalLM
+    from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM
 
     ids, labels = _sequence()
     out = {}
     layout = ParallelLayout.build(world_size)
     for family in ("qwen3", "qwen3_moe"):
         model = SequenceParallelCausalLM(build(family, tie_word_embeddings=True), layout, min_offload_bytes=0,
-                                         **LEVERS_SP2)
+                                         plan=MemoryPlan(2, 0, 1), **LEVERS_SP2)
         out[f"sp2_{family}"] = _run(model, layout, ids, labels)
     groups = [torch.distributed.new_group([0]) for _ in range(3)]  # new_group is collective: every rank
     if rank != 0:
@@ -59,7 +58,7 @@ def pin_worker(rank, world_size):
     single = ParallelLayout(world_size=1, sp_size=1, rank=0, sp_group=groups[0], dp_group=groups[1],
                             world_group=groups[2])
     model = SequenceParallelCausalLM(build("qwen3", num_hidden_layers=3), single, min_offload_bytes=0,
-                                     chunked_loss=2, tiled_mlp=2, cache_attention_layers=3,
+                                     chunked_loss=2, tiled_mlp=2, plan=MemoryPlan(3, 0, 3),
                                      attention_head_groups=2)
     out["sp1_groups_kept"] = _run(model, single, ids, labels)
     return out

@@ -5,7 +5,7 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from tests.models import VOCAB, build
-from ulysses_lc.rmsnorm import RMSNormFunction, install_memory_efficient_rmsnorm
+from ulysses_lc.rmsnorm import RMSNormFunction, install_efficient_rmsnorm
 
 
 # The norm runs in fp32 whatever the input dtype (as in transformers), so fp64 is held to fp32 rounding.
@@ -33,7 +33,7 @@ def test_whole_model_loss_and_grads():
     plain = build("qwen3")
     plain(input_ids=ids, labels=ids).loss.backward()
     model = build("qwen3")
-    undo = install_memory_efficient_rmsnorm(model)
+    undo = install_efficient_rmsnorm(model).undo
     patched = [m for m in model.modules() if "forward" in m.__dict__]
     assert len(patched) == 2 * 4 + 1  # four per layer, plus the final norm
     loss = model(input_ids=ids, labels=ids).loss

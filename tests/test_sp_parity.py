@@ -11,7 +11,7 @@ import torch
 
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
-from ulysses_lc import IGNORE_INDEX, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
+from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -124,7 +124,7 @@ def test_sp2_with_all_levers_equals_plain_single_process(family):
     input_ids, labels = make_sequence(45, seed=4, ignore_prefix=9)
     overrides = {"tie_word_embeddings": True}
     ref = reference(family, input_ids, labels, **overrides)
-    levers = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True, keep_on_gpu=0, cache_attention_layers=1)
+    levers = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True, plan=MemoryPlan(2, 0, 1))
     results = run_distributed(_levers_worker, 2, family, overrides, levers, input_ids, labels)
     for loss, grads, host_bytes in results:
         assert_close(loss, grads, *ref)

@@ -112,7 +112,7 @@ def test_whole_model_with_tiled_mlp(kind):
     ref_loss, ref_grads = _model_loss_and_grads(model, input_ids)
     ref_state = {k: v.clone() for k, v in model.state_dict().items()}
 
-    undo = install_tiled_mlp(model, num_tiles=3)
+    undo = install_tiled_mlp(model, num_tiles=3).undo
     assert all(isinstance(layer.mlp, TiledMLP) for layer in model.model.layers)
     # Checkpoint keys are unchanged by the wrapper, in both directions.
     assert list(model.state_dict()) == list(ref_state)

@@ -1,35 +1,55 @@
 """ulysses_lc: million-token fine-tuning of Hugging Face causal LMs on DeepSpeed ZeRO-3 with Ulysses SP.
 
-Each lever is a library call (see examples/embed_in_your_loop.py):
-  ParallelLayout            SP/DP process groups and the DeepSpeed mpu         (layout.py)
-  UlyssesAttention          all-to-all attention, registered with transformers (attention.py)
-  shard_batch               shift, pad and slice one sequence for this rank    (sharding.py)
-  sp_mean_loss              the sequence's mean loss over the SP group          (loss.py)
-  chunked_cross_entropy     loss without [tokens x vocab] logits               (chunked_loss.py)
-  apply_yarn                YaRN RoPE scaling for a target length              (yarn.py)
-  enable_checkpointing      checkpointing with inputs offloaded to the host    (offload.py)
-  install_tiled_mlp         the MLP over sequence tiles                        (tiled_mlp.py)
-  SequenceParallelCausalLM  all of the above around a HF model                 (model.py)
+One module per idea (README.md, "How a step flows", follows a step through them):
+  shape.py          ModelShape read once from the config; the package's one shape legend
+  layout.py         ParallelLayout: SP/DP process groups and the DeepSpeed mpu
+  sharding.py       shard_batch: shift, pad and slice one sequence for this rank
+  exchange.py       the all-to-alls around attention (who sends what to whom)
+  kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, explicit ops over head groups
+  attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
+  recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
+  checkpointing.py  install_checkpointing: per-layer checkpoints, inputs offloaded to host (host_pool.py)
+  tiled_mlp.py      install_tiled_mlp: the MLP over sequence tiles
+  rmsnorm.py        install_efficient_rmsnorm: RMSNorm saving its bf16 input
+  chunked_loss.py   chunked_cross_entropy / install_chunked_loss_head: no [tokens x vocab] logits
+  loss.py           sp_mean_loss: the sequence's mean loss over the SP group
+  memory.py         plan_memory -> MemoryPlan: what each layer keeps, from free device and host memory
+  model.py          SequenceParallelCausalLM: all of the above around a HF model
+  yarn.py           apply_yarn: YaRN RoPE scaling in the config, before weights load
+  ds_config.py      DeepSpeed config checks
+Every install_* returns a Handle whose undo() gives the model back as it was.
 """
 
-from .attention import UlyssesAttention, attention_head_groups, check_model_for_ulysses
+from .attention import UlyssesAttention, check_model_for_ulysses, install_ulysses_attention
+from .checkpointing import CheckpointHandle, install_checkpointing
 from .chunked_loss import ChunkedLossHead, chunked_cross_entropy, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .data import TokenStream, build_token_stream
 from .ds_config import check_deepspeed_config, load_deepspeed_config
+from .handle import Handle
+from .kernels import attention_head_groups
 from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
 from .loss import sp_mean_loss
+from .memory import MemoryPlan, plan_memory, plan_step_memory
 from .metrics import StepLogger, model_flops_per_step
 from .model import SequenceParallelCausalLM
-from .offload import enable_checkpointing
+from .recompute import LayerRun, RecomputeContext
+from .rmsnorm import install_efficient_rmsnorm
+from .shape import ModelShape
 from .sharding import ShardedBatch, shard_batch
 from .tiled_mlp import TiledMLP, install_tiled_mlp
 from .yarn import apply_yarn, load_model_for_length, yarn_rope_parameters
 
 __all__ = [
     "IGNORE_INDEX",
+    "CheckpointHandle",
     "ChunkedLossHead",
+    "Handle",
+    "LayerRun",
+    "MemoryPlan",
+    "ModelShape",
     "ParallelLayout",
+    "RecomputeContext",
     "SequenceParallelCausalLM",
     "ShardedBatch",
     "StepLogger",
@@ -42,12 +62,16 @@ __all__ = [
     "check_deepspeed_config",
     "check_model_for_ulysses",
     "chunked_cross_entropy",
-    "enable_checkpointing",
+    "install_checkpointing",
     "install_chunked_loss_head",
+    "install_efficient_rmsnorm",
     "install_tiled_mlp",
+    "install_ulysses_attention",
     "load_deepspeed_config",
     "load_model_for_length",
     "model_flops_per_step",
+    "plan_memory",
+    "plan_step_memory",
     "reduce_gradients",
     "shard_batch",
     "sp_mean_loss",

@@ -1,31 +1,28 @@
 """Cross-entropy of an LM head without ever holding the [tokens x vocab] logits.
 
-Shape legend:
-    t  tokens (batch and sequence flattened; already shifted so row i predicts labels[i])
-    h  hidden size
-    v  vocabulary size
-    c  rows in one chunk (c <= t)
+Legend (shape.py): t tokens (batch and sequence flattened; already shifted so row i predicts labels[i]),
+e hidden size, v vocabulary, c rows in one chunk (c <= t).
 
 The loss is a sum over rows and each row's softmax runs along its own vocabulary, so rows
 split cleanly: we walk chunks of c rows, and only one [c, v] block of logits exists at a time.
 
 Gradient in forward, not recompute in backward
 ----------------------------------------------
-Per chunk the loss head needs three matmuls of 2*c*v*h FLOPs each:
-    logits_cv = hidden_ch @ weight_vh.T        (forward)
-    grad_hidden_ch = dlogits_cv @ weight_vh    (backward)
-    grad_weight_vh += dlogits_cv.T @ hidden_ch (backward)
-Recomputing in backward repeats the first one: 4 matmuls, 8*t*v*h FLOPs. Computing the
+Per chunk the loss head needs three matmuls of 2*c*v*e FLOPs each:
+    logits_cv = hidden_ce @ weight_ve.T        (forward)
+    grad_hidden_ch = dlogits_cv @ weight_ve    (backward)
+    grad_weight_ve += dlogits_cv.T @ hidden_ce (backward)
+Recomputing in backward repeats the first one: 4 matmuls, 8*t*v*e FLOPs. Computing the
 gradients while the logits are live (the chunk's softmax *is* dlogits, up to the one-hot)
-needs 3, 6*t*v*h FLOPs: 25% fewer, and for a 152k vocabulary the LM head is the largest
-matmul of a small model (Qwen3-4B: v*h = 389M against 4 * 36 * h^2 + MLP per layer), so the
+needs 3, 6*t*v*e FLOPs: 25% fewer, and for a 152k vocabulary the LM head is the largest
+matmul of a small model (Qwen3-4B: v*e = 389M against 4 * 36 * e^2 + MLP per layer), so the
 saving is not noise. This is valid because loss_sum enters the rest of the graph linearly:
 whatever scalar grad_output arrives, d(grad_output * loss_sum) = grad_output * d(loss_sum),
 so backward only scales what forward already computed.
 
-Memory cost: recompute would keep hidden_th (and needs weight_vh again in backward); this
-keeps grad_hidden_th instead, the same size and dtype, so the only extra is the fp32
-grad_weight_vh accumulator (v*h*4 bytes, 1.5 GiB for 152k x 2560) held from forward to
+Memory cost: recompute would keep hidden_te (and needs weight_ve again in backward); this
+keeps grad_hidden_te instead, the same size and dtype, so the only extra is the fp32
+grad_weight_ve accumulator (v*e*4 bytes, 1.5 GiB for 152k x 2560) held from forward to
 backward. We accumulate it in fp32 because a long sequence is hundreds of chunks and bf16
 accumulation over that many terms loses the small rows' contribution.
 
@@ -56,6 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .constants import IGNORE_INDEX
+from .handle import Handle
 
 # fp32 logits bytes per chunk. 1 GiB is ~1.7k rows at v=152k: large enough that each matmul
 # fills an H100/H200 (TRL's 256 rows leave it underused at this vocabulary), small enough that
@@ -64,6 +62,13 @@ from .constants import IGNORE_INDEX
 _TARGET_CHUNK_LOGITS_BYTES = 1 << 30
 # Row counts are rounded to this multiple so matmul shapes stay tensor-core friendly.
 _ROW_MULTIPLE = 64
+
+
+def loss_head_bytes(shape, tokens: int) -> int:
+    """Device bytes the loss head holds for a step on `tokens` rows of a `shape.ModelShape` model: the fp32
+    weight-gradient accumulator (v x e x 4) and the hidden-state gradient computed in forward (e x 2 per
+    token, bf16) from forward to backward, plus one chunk's logits while it runs."""
+    return shape.vocab * shape.hidden * 4 + tokens * 2 * shape.hidden + _TARGET_CHUNK_LOGITS_BYTES
 
 
 def auto_chunk_rows(vocab_size: int, target_bytes: int = _TARGET_CHUNK_LOGITS_BYTES) -> int:
@@ -89,24 +94,24 @@ def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int) -> None:
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of `hidden_th @ weight_vh.T (+ bias_v)` against `labels_t`.
+    """Summed cross-entropy of `hidden_te @ weight_ve.T (+ bias_v)` against `labels_t`.
 
     Forward communicates nothing and, with labels on a GPU, never synchronizes with the host.
     It returns (loss_sum scalar in fp32, fp64 for fp64 inputs; n_valid int64 scalar on the
     device, non-differentiable) and computes the gradients on the spot. Labels outside
     [0, v) other than IGNORE_INDEX raise ValueError on CPU and trip a device-side assert
     (torch._assert_async) on a GPU; the clear check for GPU runs is shard_batch(vocab_size=...).
-    Saved for backward (as ctx attributes, on the device of `hidden`): grad_hidden_th in
-    hidden's dtype, grad_weight_vh and grad_bias_v in fp32 (fp64 for fp64 inputs), each for
+    Saved for backward (as ctx attributes, on the device of `hidden`): grad_hidden_te in
+    hidden's dtype, grad_weight_ve and grad_bias_v in fp32 (fp64 for fp64 inputs), each for
     grad_output = 1.
     Backward communicates nothing and only scales them by grad_output; it can run once.
     """
 
     @staticmethod
-    def forward(ctx, hidden_th, weight_vh, bias_v, labels_t, chunk_rows):
-        t, h = hidden_th.shape
-        v = weight_vh.shape[0]
-        dtype = hidden_th.dtype
+    def forward(ctx, hidden_te, weight_ve, bias_v, labels_t, chunk_rows):
+        t, e = hidden_te.shape
+        v = weight_ve.shape[0]
+        dtype = hidden_te.dtype
         # Softmax in fp32 at least; fp64 inputs (tests, numerics checks) stay in fp64.
         acc_dtype = torch.promote_types(dtype, torch.float32)
         need_grad_hidden, need_grad_weight, need_grad_bias = ctx.needs_input_grad[:3]
@@ -130,22 +135,22 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         safe_labels_t = labels_t.clamp(min=0)
         n_valid_t = valid_t.sum()  # int64 on the device, no sync
 
-        loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden_th.device)
+        loss_sum = torch.zeros((), dtype=acc_dtype, device=hidden_te.device)
         # Every row is written by its chunk (ignored rows with zeros), so no memset is needed.
-        grad_hidden_th = torch.empty((t, h), dtype=dtype, device=hidden_th.device) if need_grad_hidden else None
-        grad_weight_vh = (
-            torch.zeros(v, h, dtype=acc_dtype, device=weight_vh.device) if need_grad_weight else None
+        grad_hidden_te = torch.empty((t, e), dtype=dtype, device=hidden_te.device) if need_grad_hidden else None
+        grad_weight_ve = (
+            torch.zeros(v, e, dtype=acc_dtype, device=weight_ve.device) if need_grad_weight else None
         )
-        grad_bias_v = torch.zeros(v, dtype=acc_dtype, device=weight_vh.device) if need_grad_bias else None
+        grad_bias_v = torch.zeros(v, dtype=acc_dtype, device=weight_ve.device) if need_grad_bias else None
         any_grad = need_grad_hidden or need_grad_weight or need_grad_bias
 
         # A static walk over all t rows: the chunk count never depends on label values.
         for start in range(0, t, chunk_rows):
             end = min(start + chunk_rows, t)
-            hidden_ch = hidden_th[start:end]
+            hidden_ce = hidden_te[start:end]
             labels_c1 = safe_labels_t[start:end].unsqueeze(1)
             valid_c = valid_t[start:end]
-            logits_cv = F.linear(hidden_ch, weight_vh, bias_v).to(acc_dtype)
+            logits_cv = F.linear(hidden_ce, weight_ve, bias_v).to(acc_dtype)
             lse_c = torch.logsumexp(logits_cv, dim=-1)
             target_logit_c = logits_cv.gather(1, labels_c1).squeeze(1)
             loss_sum += torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
@@ -162,65 +167,65 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             dlogits_lowp_cv = dlogits_cv.to(dtype)
             del dlogits_cv, logits_cv
             if need_grad_hidden:
-                torch.mm(dlogits_lowp_cv, weight_vh, out=grad_hidden_th[start:end])
+                torch.mm(dlogits_lowp_cv, weight_ve, out=grad_hidden_te[start:end])
             if need_grad_weight:
-                grad_weight_vh += (dlogits_lowp_cv.t() @ hidden_ch).to(acc_dtype)
+                grad_weight_ve += (dlogits_lowp_cv.t() @ hidden_ce).to(acc_dtype)
 
-        ctx.grad_hidden_th = grad_hidden_th
-        ctx.grad_weight_vh = grad_weight_vh
+        ctx.grad_hidden_te = grad_hidden_te
+        ctx.grad_weight_ve = grad_weight_ve
         ctx.grad_bias_v = grad_bias_v
-        ctx.weight_dtype = weight_vh.dtype
+        ctx.weight_dtype = weight_ve.dtype
         ctx.bias_dtype = None if bias_v is None else bias_v.dtype
         ctx.mark_non_differentiable(n_valid_t)
         return loss_sum, n_valid_t
 
     @staticmethod
     def backward(ctx, grad_loss_sum, grad_n_valid):
-        if ctx.grad_hidden_th is None and ctx.grad_weight_vh is None and ctx.grad_bias_v is None:
+        if ctx.grad_hidden_te is None and ctx.grad_weight_ve is None and ctx.grad_bias_v is None:
             if any(ctx.needs_input_grad[:3]):
                 raise RuntimeError(
                     "ChunkedCrossEntropy.backward ran twice; its gradients are scaled in place "
                     "and freed, so retain_graph=True over the loss head is not supported."
                 )
         grad_hidden = grad_weight = grad_bias = None
-        if ctx.grad_hidden_th is not None:
+        if ctx.grad_hidden_te is not None:
             # In place: the buffer is as large as the hidden states and is not needed again.
-            grad_hidden = ctx.grad_hidden_th.mul_(grad_loss_sum.to(ctx.grad_hidden_th.dtype))
-        if ctx.grad_weight_vh is not None:
-            grad_weight = ctx.grad_weight_vh.mul_(grad_loss_sum).to(ctx.weight_dtype)
+            grad_hidden = ctx.grad_hidden_te.mul_(grad_loss_sum.to(ctx.grad_hidden_te.dtype))
+        if ctx.grad_weight_ve is not None:
+            grad_weight = ctx.grad_weight_ve.mul_(grad_loss_sum).to(ctx.weight_dtype)
         if ctx.grad_bias_v is not None:
             grad_bias = ctx.grad_bias_v.mul_(grad_loss_sum).to(ctx.bias_dtype)
-        ctx.grad_hidden_th = ctx.grad_weight_vh = ctx.grad_bias_v = None
+        ctx.grad_hidden_te = ctx.grad_weight_ve = ctx.grad_bias_v = None
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def chunked_cross_entropy(
-    hidden_th: torch.Tensor,
-    weight_vh: torch.Tensor,
+    hidden_te: torch.Tensor,
+    weight_ve: torch.Tensor,
     labels_t: torch.Tensor,
     bias_v: torch.Tensor | None = None,
     chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (loss_sum fp32 (fp64 for fp64 inputs), n_valid int64) of the LM head over `hidden_th`, chunk by chunk.
+    """Return (loss_sum fp32 (fp64 for fp64 inputs), n_valid int64) of the LM head over `hidden_te`, chunk by chunk.
 
     Labels are already shifted; rows labelled IGNORE_INDEX contribute nothing. `chunk_rows`
     overrides the automatic rows per chunk (about 1 GiB of fp32 logits).
     """
-    if hidden_th.dim() != 2 or labels_t.dim() != 1 or hidden_th.shape[0] != labels_t.shape[0]:
+    if hidden_te.dim() != 2 or labels_t.dim() != 1 or hidden_te.shape[0] != labels_t.shape[0]:
         raise ValueError(
-            f"expected hidden [tokens, hidden] and labels [tokens], got {tuple(hidden_th.shape)} and "
-            f"{tuple(labels_t.shape)}; flatten batch and sequence first (hidden.reshape(-1, h), labels.reshape(-1))."
+            f"expected hidden [tokens, hidden] and labels [tokens], got {tuple(hidden_te.shape)} and "
+            f"{tuple(labels_t.shape)}; flatten batch and sequence first (hidden.reshape(-1, e), labels.reshape(-1))."
         )
-    if weight_vh.dim() != 2 or weight_vh.shape[1] != hidden_th.shape[1]:
+    if weight_ve.dim() != 2 or weight_ve.shape[1] != hidden_te.shape[1]:
         raise ValueError(
-            f"weight must be [vocab, hidden={hidden_th.shape[1]}], got {tuple(weight_vh.shape)}; pass the "
+            f"weight must be [vocab, hidden={hidden_te.shape[1]}], got {tuple(weight_ve.shape)}; pass the "
             "lm_head weight itself (not transposed)."
         )
     if chunk_rows is None:
-        chunk_rows = auto_chunk_rows(weight_vh.shape[0])
+        chunk_rows = auto_chunk_rows(weight_ve.shape[0])
     elif chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1 or None (automatic), got {chunk_rows}.")
-    return ChunkedCrossEntropy.apply(hidden_th, weight_vh, bias_v, labels_t.long(), int(chunk_rows))
+    return ChunkedCrossEntropy.apply(hidden_te, weight_ve, bias_v, labels_t.long(), int(chunk_rows))
 
 
 class ChunkedLossHead(nn.Module):
@@ -260,8 +265,8 @@ class ChunkedLossHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None):
-    """Replace the model's output embeddings by a ChunkedLossHead; return a callable that undoes it."""
+def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None) -> Handle:
+    """Replace the model's output embeddings by a ChunkedLossHead; the Handle's undo() puts the old head back."""
     old_head = model.get_output_embeddings()
     if isinstance(old_head, ChunkedLossHead):
         raise ValueError("the model already has a ChunkedLossHead; call the undo returned by the first install.")
@@ -271,7 +276,7 @@ def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None):
     def undo():
         model.set_output_embeddings(old_head)
 
-    return undo
+    return Handle(undo, "chunked loss head")
 
 
 __all__ = [
@@ -281,4 +286,5 @@ __all__ = [
     "check_labels_in_vocab",
     "chunked_cross_entropy",
     "install_chunked_loss_head",
+    "loss_head_bytes",
 ]

@@ -1,6 +1,8 @@
-"""Where a transformers decoder keeps its layers and its text config: lookups the levers share."""
+"""Where a transformers decoder keeps its layers: the lookup the levers share."""
 
 import torch.nn as nn
+
+from .shape import text_config  # noqa: F401 - where callers found it before shape.py existed
 
 
 def decoder_layers(model: nn.Module, lever: str) -> nn.ModuleList:
@@ -18,7 +20,14 @@ def decoder_layers(model: nn.Module, lever: str) -> nn.ModuleList:
     return layers
 
 
-def text_config(config):
-    """The language model's config: multimodal configs nest it, text-only ones are it."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
+def checkpointable_layers(model: nn.Module) -> nn.ModuleList:
+    """decoder_layers, each a transformers GradientCheckpointingLayer (what install_checkpointing drives)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = decoder_layers(model, "install_checkpointing")
+    if not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
+        raise ValueError(
+            f"{type(model).__name__}'s layers are not transformers GradientCheckpointingLayer; "
+            "install_checkpointing supports transformers v5 decoder models laid out like Llama/Qwen3."
+        )
+    return layers

@@ -1,7 +1,7 @@
 """Throughput accounting (FLOPs per step, TFLOPS, MFU) and per-step logging for the training loop.
 
-Symbols: T tokens in the sequence (one causal stream), n_layers, h query heads, d head_dim,
-D hidden size. "Matmul params" N are the weights that multiply activations once per token:
+Symbols (shape.py's legend): s tokens in the sequence (one causal stream), h query heads, d head dim,
+n_layers. "Matmul params" N are the weights that multiply activations once per token:
 attention projections, MLP (for MoE: the router and the active experts only) and the LM head.
 The input embedding is a lookup, not a matmul, and norms/biases are negligible; both are left out.
 """
@@ -15,19 +15,19 @@ from pathlib import Path
 
 import torch
 
-from .layers import text_config
+from .shape import ModelShape
 
 
 @dataclass(frozen=True)
 class FlopsPerStep:
     """FLOPs of one training step on one sequence of `tokens` tokens (all ranks together).
 
-    model: what the step must compute (MFU counts these): dense 6*N*T + causal attention
-        fwd 2*T^2*h*d*n_layers, bwd twice that.
+    model: what the step must compute (MFU counts these): dense 6*N*s + causal attention
+        fwd 2*s^2*h*d*n_layers, bwd twice that.
     hardware: model + the activation-checkpoint recompute of each decoder layer's forward
-        (layer matmuls 2*N_layers*T + attention fwd); equals model when recompute is off.
+        (layer matmuls 2*N_layers*s + attention fwd); equals model when recompute is off.
     effective: the ALST/Megatron "effective TFLOPS" convention, for comparison with the
-        published ALST figures: 4.5 * 2*T^2*h*d*n_layers + 8 * N * T.
+        published ALST figures: 4.5 * 2*s^2*h*d*n_layers + 8 * N * s.
     attention_share: share of attention in `model`.
     """
 
@@ -45,42 +45,11 @@ class FlopsPerStep:
         return self.attention / self.model
 
 
-def _is_moe_layer(cfg, layer: int) -> bool:
-    # Qwen2/3-MoE rule: a layer is sparse unless listed in mlp_only_layers, every
-    # decoder_sparse_step-th layer, when the model has experts at all.
-    num_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0
-    if num_experts <= 0 or layer in (getattr(cfg, "mlp_only_layers", None) or []):
-        return False
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return (layer + 1) % step == 0
-
-
 def matmul_params(config) -> tuple[int, int]:
-    """(N_layers, N_lm_head): matmul weights used per token in the decoder layers and in the LM head.
-
-    Per layer: q and o projections D*h*d each, k and v D*kv*d each; dense MLP 3*D*intermediate
-    (gate, up, down); MoE MLP: router D*num_experts + num_experts_per_tok * 3*D*moe_intermediate
-    (+ 3*D*shared_expert_intermediate_size where the config has a shared expert).
-    """
-    cfg = text_config(config)
-    hidden = cfg.hidden_size
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    dense_mlp = 3 * hidden * cfg.intermediate_size
-    per_layer = []
-    for layer in range(cfg.num_hidden_layers):
-        if _is_moe_layer(cfg, layer):
-            num_experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
-            mlp = hidden * num_experts + cfg.num_experts_per_tok * 3 * hidden * cfg.moe_intermediate_size
-            shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
-            mlp += 3 * hidden * shared
-        else:
-            mlp = dense_mlp
-        per_layer.append(attn + mlp)
-    # Tied or not, the LM head is a D x vocab matmul on every position.
-    return sum(per_layer), hidden * cfg.vocab_size
+    """(N_layers, N_lm_head): matmul weights used per token in the decoder layers and in the LM head
+    (ModelShape.layer_matmul_params and head_matmul_params)."""
+    shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
+    return shape.layer_matmul_params, shape.head_matmul_params
 
 
 def model_flops_per_step(
@@ -89,29 +58,27 @@ def model_flops_per_step(
 ) -> FlopsPerStep:
     """FLOPs of one step on one causal sequence of `seq_len` tokens (see `FlopsPerStep`).
 
-    dense     = 6 * N * T                       (fwd 2NT, bwd 4NT; N includes the LM head)
-    attention = 3 * 2 * T^2 * h * d * n_layers  (fwd: QK^T and PV, 2 FLOPs per MAC each, over the
-                                                 causal half T^2/2; bwd 2x fwd)
+    dense     = 6 * N * s                       (fwd 2Ns, bwd 4Ns; N includes the LM head)
+    attention = 3 * 2 * s^2 * h * d * n_layers  (fwd: QK^T and PV, 2 FLOPs per MAC each, over the
+                                                 causal half s^2/2; bwd 2x fwd)
     model     = dense + attention
-    hardware  = model + [recompute] (r/n_layers * 2 * N_layers * T + (r - c)/n_layers * 2 * T^2 * h * d * n_layers)
-    effective = 4.5 * 2 * T^2 * h * d * n_layers + 8 * N * T   (ALST/Megatron convention)
+    hardware  = model + [recompute] (r/n_layers * 2 * N_layers * s + (r - c)/n_layers * 2 * s^2 * h * d * n_layers)
+    effective = 4.5 * 2 * s^2 * h * d * n_layers + 8 * N * s   (ALST/Megatron convention)
     h counts query heads (GQA shares K/V but every query head does its own QK^T and PV).
     r = recompute_layers (default all) layers are recomputed; c = cached_attention_layers of them keep
-    their attention output, so their recompute skips the attention forward (offload.py).
+    their attention output, so their recompute skips the attention forward (attention.py).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1")
-    cfg = text_config(config)
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    n_layers_params, n_head_params = matmul_params(cfg)
+    shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
+    n_layers_params, n_head_params = shape.layer_matmul_params, shape.head_matmul_params
     n_params = n_layers_params + n_head_params
     tokens = seq_len
-    attn_fwd = 2.0 * tokens * tokens * heads * head_dim * cfg.num_hidden_layers
+    attn_fwd = 2.0 * tokens * tokens * shape.heads * shape.head_dim * shape.layers
     dense = 6.0 * n_params * tokens
     attention = 3.0 * attn_fwd
     model = dense + attention
-    n_layers = cfg.num_hidden_layers
+    n_layers = shape.layers
     r = (n_layers if recompute_layers is None else recompute_layers) if recompute else 0
     if not 0 <= cached_attention_layers <= r <= n_layers:
         raise ValueError(f"need 0 <= cached_attention_layers={cached_attention_layers} <= recompute_layers={r} "

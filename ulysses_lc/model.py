@@ -13,13 +13,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import UlyssesAttention
+from .attention import install_ulysses_attention
+from .checkpointing import install_checkpointing
 from .chunked_loss import ChunkedLossHead, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
-from .offload import enable_checkpointing
-from .rmsnorm import install_memory_efficient_rmsnorm
+from .memory import MemoryPlan
+from .recompute import RecomputeContext
+from .rmsnorm import install_efficient_rmsnorm
+from .shape import ModelShape
 from .tiled_mlp import install_tiled_mlp
 
 
@@ -40,23 +43,24 @@ class SequenceParallelCausalLM(nn.Module):
     export it as usual, after `undo()` if you want the plain modules back.
 
     The memory levers, each exact, are on by default; build this wrapper before `deepspeed.initialize`
-    (ZeRO-3 registers its hooks on the modules as they are then):
+    (ZeRO-3 registers its hooks on the modules as they are then). Each is installed through its own
+    `install_*` call (their Handles are in `self.levers`):
       chunked_loss: loss from hidden states in row chunks, never the [tokens x vocab] logits (True =
         automatic chunk rows, or an int).
       tiled_mlp: each MLP runs over sequence tiles (None = automatic tile count, or an int).
-      checkpointing: non-reentrant activation checkpointing of the first `recompute_layers` decoder layers
-        (default all; `self.checkpointing.configure` changes the plan later).
-      offload: checkpointed layer inputs wait in host memory, except the last `keep_on_gpu` layers
+      checkpointing: non-reentrant activation checkpointing of the decoder layers, as `plan` says.
+      offload: checkpointed layer inputs wait in host memory, except the plan's `keep_on_gpu` last ones
         (and tensors under `min_offload_bytes`).
-      cache_attention_layers: the last this-many checkpointed layers keep their attention output from the
-        forward (with their input: on the host when offloaded), so their recompute skips the attention
-        kernel (off by default here: it costs 2 x heads x head_dim bytes per token and layer; the training
-        path turns it on from its memory plan, `offload.plan_activation_memory`).
+      plan: a memory.MemoryPlan (which layers are checkpointed, keep their input on the device, keep their
+        attention output). None: every layer checkpointed and offloaded, no kept outputs (the least device
+        memory). `use_plan` changes it between steps; the training path plans once ZeRO-3 has allocated its
+        partitions (memory.plan_step_memory).
       efficient_norm: RMSNorms save their bf16 input instead of fp32 copies (rmsnorm.py).
       attention_head_groups: run the attention kernel over this many groups of kv heads one after another,
-        so its backward's own working block (an fp32 dq accumulator and, for GQA, dk/dv at every query
-        head) exists one group at a time ("auto": the fewest groups that keep it under 1 GiB, CUDA only;
-        attention.attention_head_groups). Exact: the kernel's numbers per head.
+        so its backward's own working block exists one group at a time ("auto": the fewest groups that keep
+        it under 1 GiB, CUDA only; kernels.attention_head_groups). Exact: the kernel's numbers per head.
+    Checkpointing and attention share one recompute.RecomputeContext, through which layers that keep their
+    attention output hand it to their recompute.
     """
 
     def __init__(
@@ -69,9 +73,7 @@ class SequenceParallelCausalLM(nn.Module):
         tiled_mlp: bool | int = True,
         checkpointing: bool = True,
         offload: bool = True,
-        keep_on_gpu: int = 0,
-        recompute_layers: int | None = None,
-        cache_attention_layers: int = 0,
+        plan: MemoryPlan | None = None,
         min_offload_bytes: int | None = None,
         efficient_norm: bool = True,
         attention_head_groups: int | str = "auto",
@@ -79,27 +81,43 @@ class SequenceParallelCausalLM(nn.Module):
         super().__init__()
         if offload and not checkpointing:
             raise ValueError("offload=True moves checkpointed activations to the host; it needs checkpointing=True.")
+        if plan is not None and not checkpointing:
+            raise ValueError("a memory plan chooses which layers are checkpointed; it needs checkpointing=True.")
         self.model = model
         self.layout = layout
+        self.shape = ModelShape.from_config(model.config)
         self.last_num_tokens = None
-        self._undo = []
+        self.levers = []
+        context = RecomputeContext()
         # Also at sp_size 1: the attention kernel (and its backend priority) is then ours.
-        self.attention = UlyssesAttention(layout, kernel=kernel, head_groups=attention_head_groups)
-        self._undo.append(self.attention.apply(model))
+        attention = install_ulysses_attention(model, layout, kernel, head_groups=attention_head_groups,
+                                              recompute=context)
+        self.levers.append(attention)
+        self.attention = attention.attention
         if efficient_norm:
-            self._undo.append(install_memory_efficient_rmsnorm(model))
+            self.levers.append(install_efficient_rmsnorm(model))
         if chunked_loss:
-            self._undo.append(install_chunked_loss_head(model, None if chunked_loss is True else int(chunked_loss)))
+            self.levers.append(install_chunked_loss_head(model, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:
-            self._undo.append(install_tiled_mlp(model, None if tiled_mlp is True else int(tiled_mlp)))
+            self.levers.append(install_tiled_mlp(model, None if tiled_mlp is True else int(tiled_mlp)))
         self.checkpointing = None
         if checkpointing:
+            plan = plan or MemoryPlan.everything_checkpointed(self.shape.layers)
             extra = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
-            self.checkpointing = enable_checkpointing(
-                model, offload=offload, keep_on_gpu=keep_on_gpu, recompute_layers=recompute_layers,
-                cache_attention_layers=cache_attention_layers, **extra,
+            self.checkpointing = install_checkpointing(
+                model, offload=offload, keep_on_gpu=plan.keep_on_gpu, recompute_layers=plan.recompute_layers,
+                cache_attention_layers=plan.cache_attention_layers, context=context, **extra,
             )
-            self._undo.append(self.checkpointing.undo)
+            self.levers.append(self.checkpointing)
+        self.plan = plan
+
+    def use_plan(self, plan: MemoryPlan) -> None:
+        """Change the memory plan between steps (every rank the same plan: ranks that differ deadlock)."""
+        if self.checkpointing is None:
+            raise ValueError("this model was built with checkpointing=False; a memory plan has nothing to change.")
+        self.checkpointing.configure(recompute_layers=plan.recompute_layers, keep_on_gpu=plan.keep_on_gpu,
+                                     cache_attention_layers=plan.cache_attention_layers)
+        self.plan = plan
 
     @property
     def config(self):
@@ -113,18 +131,18 @@ class SequenceParallelCausalLM(nn.Module):
             )
         if labels is None:
             raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
-        hidden_bsh = self.model.base_model(
+        hidden_bse = self.model.base_model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         head = self.model.get_output_embeddings()
         if isinstance(head, ChunkedLossHead):
-            loss_sum, n_valid = head(hidden_bsh, labels)
+            loss_sum, n_valid = head(hidden_bse, labels)
         else:
-            loss_sum, n_valid = plain_loss_sum(head(hidden_bsh), labels)
+            loss_sum, n_valid = plain_loss_sum(head(hidden_bse), labels)
         loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout)
         return loss
 
     def undo(self) -> None:
         """Give the wrapped model back as it was (attention implementation and any installed lever)."""
-        while self._undo:
-            self._undo.pop()()
+        while self.levers:
+            self.levers.pop().undo()

@@ -1,6 +1,6 @@
 """RMSNorm that keeps its bf16 input for backward instead of fp32 copies: a quarter of a layer's saved bytes.
 
-Legend: t rows (tokens, or tokens x heads for the q/k norms), h the normalised width.
+Legend (shape.py): t rows (tokens, or tokens x heads for the q/k norms), w the normalised width.
 
 transformers' Qwen3/Llama RMSNorm upcasts to fp32 and lets autograd save what each op needs: the fp32
 input (4 bytes per element) for the variance, and the normalised bf16 values (2 bytes) for the weight's
@@ -18,6 +18,8 @@ import types
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
+
+from .handle import Handle
 
 
 # fp32 bytes of one row chunk's temporaries. Forward and backward walk rows in chunks of this size: the fp32
@@ -39,48 +41,48 @@ class RMSNormFunction(torch.autograd.Function):
     ~256 MiB of fp32 per temporary); the weight gradient is summed per chunk in fp32."""
 
     @staticmethod
-    def forward(ctx, x_th, weight_h, eps, chunk_rows=None):
-        width = x_th.shape[-1]
-        x_rh = x_th.reshape(-1, width)
-        rows = x_rh.shape[0]
+    def forward(ctx, x, weight_w, eps, chunk_rows=None):
+        width = x.shape[-1]
+        x_tw = x.reshape(-1, width)
+        rows = x_tw.shape[0]
         chunk = chunk_rows or _rows_per_chunk(width)
-        y_rh = torch.empty(x_rh.shape, dtype=torch.promote_types(weight_h.dtype, x_th.dtype), device=x_th.device)
-        rstd_r1 = torch.empty(rows, 1, dtype=torch.float32, device=x_th.device)
+        y_tw = torch.empty(x_tw.shape, dtype=torch.promote_types(weight_w.dtype, x.dtype), device=x.device)
+        rstd_t1 = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         for start in range(0, rows, chunk):
-            x_f = x_rh[start:start + chunk].to(torch.float32)
+            x_f = x_tw[start:start + chunk].to(torch.float32)
             rstd = torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + eps)
-            rstd_r1[start:start + chunk] = rstd
-            torch.mul(weight_h, (x_f * rstd).to(x_th.dtype), out=y_rh[start:start + chunk])
+            rstd_t1[start:start + chunk] = rstd
+            torch.mul(weight_w, (x_f * rstd).to(x.dtype), out=y_tw[start:start + chunk])
             del x_f
-        ctx.save_for_backward(x_th, weight_h, rstd_r1)
+        ctx.save_for_backward(x, weight_w, rstd_t1)
         ctx.chunk = chunk
-        return y_rh.view(x_th.shape)
+        return y_tw.view(x.shape)
 
     @staticmethod
     @once_differentiable  # the backward works in place on its temporaries: no double backward through it
     def backward(ctx, grad_y):
-        x_th, weight_h, rstd_r1 = ctx.saved_tensors
-        width = x_th.shape[-1]
-        x_rh = x_th.reshape(-1, width)
-        grad_y_rh = grad_y.reshape(-1, width)
+        x, weight_w, rstd_t1 = ctx.saved_tensors
+        width = x.shape[-1]
+        x_tw = x.reshape(-1, width)
+        grad_y_tw = grad_y.reshape(-1, width)
         need_weight = ctx.needs_input_grad[1]
-        grad_x_rh = torch.empty_like(x_rh) if ctx.needs_input_grad[0] else None
-        grad_weight_f = torch.zeros(width, dtype=torch.float32, device=x_th.device) if need_weight else None
-        for start in range(0, x_rh.shape[0], ctx.chunk):
+        grad_x_tw = torch.empty_like(x_tw) if ctx.needs_input_grad[0] else None
+        grad_weight_f = torch.zeros(width, dtype=torch.float32, device=x.device) if need_weight else None
+        for start in range(0, x_tw.shape[0], ctx.chunk):
             end = start + ctx.chunk
-            rstd = rstd_r1[start:end]
-            grad_y_c = grad_y_rh[start:end]
-            x_hat = x_rh[start:end].to(torch.float32) * rstd
+            rstd = rstd_t1[start:end]
+            grad_y_c = grad_y_tw[start:end]
+            x_hat = x_tw[start:end].to(torch.float32) * rstd
             if need_weight:
-                grad_weight_f += (grad_y_c * x_hat.to(x_th.dtype)).sum(0, dtype=torch.float32)
-            if grad_x_rh is not None:
-                grad_x_hat = (grad_y_c * weight_h).to(torch.float32)
+                grad_weight_f += (grad_y_c * x_hat.to(x.dtype)).sum(0, dtype=torch.float32)
+            if grad_x_tw is not None:
+                grad_x_hat = (grad_y_c * weight_w).to(torch.float32)
                 proj = (grad_x_hat * x_hat).mean(-1, keepdim=True)
                 grad_x_hat.sub_(x_hat.mul_(proj)).mul_(rstd)
-                grad_x_rh[start:end] = grad_x_hat
+                grad_x_tw[start:end] = grad_x_hat
             del x_hat
-        grad_x = None if grad_x_rh is None else grad_x_rh.view(x_th.shape)
-        grad_weight = None if grad_weight_f is None else grad_weight_f.to(weight_h.dtype)
+        grad_x = None if grad_x_tw is None else grad_x_tw.view(x.shape)
+        grad_weight = None if grad_weight_f is None else grad_weight_f.to(weight_w.dtype)
         return grad_x, grad_weight, None, None
 
 
@@ -100,8 +102,8 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__ in _LLAMA_ORDER_RMSNORMS and isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
-def install_memory_efficient_rmsnorm(model: nn.Module):
-    """Switch every Llama-style RMSNorm in `model` to RMSNormFunction; returns a callable that undoes it."""
+def install_efficient_rmsnorm(model: nn.Module) -> Handle:
+    """Switch every Llama-style RMSNorm in `model` to RMSNormFunction; the Handle's undo() switches them back."""
     patched = [m for m in model.modules() if _is_rmsnorm(m)]
     for module in patched:
         module.forward = types.MethodType(_efficient_forward, module)
@@ -110,7 +112,7 @@ def install_memory_efficient_rmsnorm(model: nn.Module):
         for module in patched:
             module.__dict__.pop("forward", None)
 
-    return undo
+    return Handle(undo, "bf16-saving RMSNorm")
 
 
-__all__ = ["RMSNormFunction", "install_memory_efficient_rmsnorm"]
+__all__ = ["RMSNormFunction", "install_efficient_rmsnorm"]

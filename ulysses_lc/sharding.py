@@ -1,6 +1,6 @@
 """Batch sharding: one long sequence -> this rank's slice, with labels shifted before slicing.
 
-Legend: b batch, s full sequence length, s_pad = s rounded up to a multiple of sp, s_local = s_pad / sp.
+Legend (shape.py): b batch, s full sequence length, s_pad = s rounded up to a multiple of sp, s_local = s_pad / sp.
 
 The order matters. Labels are shifted over the *whole* sequence first (token t predicts token t+1), so
 the label of the last token of rank r's slice is the first token of rank r+1's slice: nothing is lost at

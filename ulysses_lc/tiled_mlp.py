@@ -1,22 +1,19 @@
 """Run each decoder layer's MLP over tiles of the sequence so its wide intermediate never exists whole.
 
-Shape legend:
-    b  batch
-    s  sequence (local to this rank under sequence parallelism)
-    h  hidden size
-    i  MLP intermediate width per token (for MoE: experts per token x expert width)
-    t  tokens in one tile (s split into `num_tiles` tiles, the last possibly shorter)
+Legend (shape.py): b batch, s_local this rank's sequence, e hidden size, i MLP intermediate width per token
+(for MoE: experts per token x expert width), c tokens in one tile (s_local split into `num_tiles` tiles, the
+last possibly shorter).
 
-Why: at long sequence the dense MLP builds four [b, s, i] tensors (gate, act(gate), up, their
-product) and keeps them for backward; with i = 3.8 h (Qwen3-4B) that is ~15x the layer input.
+Why: at long sequence the dense MLP builds four [b, s_local, i] tensors (gate, act(gate), up, their
+product) and keeps them for backward; with i = 3.8 e (Qwen3-4B) that is ~15x the layer input.
 An MLP acts on each token on its own, so computing it tile by tile along s is exact. That also
 holds for a sparse MoE block: routing is per token (top-k over that token's router logits), so
 a token's output does not depend on which other tokens share its tile.
 
-Tile rule: tiles = ceil(4 i / h), but no tile shorter than MIN_TILE_TOKENS. A tile's backward
-holds about four to six [t, i] tensors at once (gate, up, act(gate), their product and their
-gradients), so a tile intermediate of a quarter of the layer input [s, h] keeps the MLP's working
-set near one layer input. The first rule, ceil(i / h), left 3 tiles of [s/3, i] on the Qwen3-0.6B
+Tile rule: tiles = ceil(4 i / e), but no tile shorter than MIN_TILE_TOKENS. A tile's backward
+holds about four to six [c, i] tensors at once (gate, up, act(gate), their product and their
+gradients), so a tile intermediate of a quarter of the layer input [s_local, e] keeps the MLP's working
+set near one layer input. The first rule, ceil(i / e), left 3 tiles of [s_local/3, i] on the Qwen3-0.6B
 shape: measured on an H200 at 256k it removed only 16 of the ~70 KB per token that one layer's
 recompute and backward hold (BENCHMARKS.md). The floor keeps each tile's matmuls large enough to
 run at full rate. Every rank of an SP group holds the same s, so they agree without a collective.
@@ -37,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .handle import Handle
 from .layers import decoder_layers
 
 
@@ -55,52 +53,52 @@ def _tile_bounds(seq_len: int, num_tiles: int) -> list[tuple[int, int]]:
 
 
 class TiledMLPFunction(torch.autograd.Function):
-    """y_bsh = mlp(x_bsh), computed tile by tile along s.
+    """y_bse = mlp(x_bse), computed tile by tile along s.
 
     Forward communicates nothing and runs under no_grad, so no tile's intermediates outlive it;
     the output is preallocated and filled tile by tile.
-    Saved for backward: only x_bsh (through save_for_backward, so activation checkpointing and
+    Saved for backward: only x_bse (through save_for_backward, so activation checkpointing and
     offload hooks see it), on x's device. The `params` inputs are passed only so that autograd
     calls backward when a parameter, but not x, needs a gradient; nothing is saved for them.
     Backward communicates nothing itself: it recomputes each tile under enable_grad and runs
     autograd through it, which accumulates every parameter's .grad across tiles and writes the
-    tile's input gradient into a preallocated grad_x_bsh.
+    tile's input gradient into a preallocated grad_x_bse.
     """
 
     @staticmethod
-    def forward(ctx, mlp: Callable, x_bsh: torch.Tensor, num_tiles: int, *params: torch.Tensor):
+    def forward(ctx, mlp: Callable, x_bse: torch.Tensor, num_tiles: int, *params: torch.Tensor):
         ctx.mlp = mlp
         ctx.num_tiles = num_tiles
         ctx.params = params
-        ctx.save_for_backward(x_bsh)
-        y_bsh = None
-        for start, end in _tile_bounds(x_bsh.shape[1], num_tiles):
-            # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * t, h].
-            y_bth = mlp(x_bsh[:, start:end].contiguous())
-            if y_bsh is None:
-                y_bsh = y_bth.new_empty((x_bsh.shape[0], x_bsh.shape[1], *y_bth.shape[2:]))
-            y_bsh[:, start:end] = y_bth
-        return y_bsh
+        ctx.save_for_backward(x_bse)
+        y_bse = None
+        for start, end in _tile_bounds(x_bse.shape[1], num_tiles):
+            # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * c, e].
+            y_bce = mlp(x_bse[:, start:end].contiguous())
+            if y_bse is None:
+                y_bse = y_bce.new_empty((x_bse.shape[0], x_bse.shape[1], *y_bce.shape[2:]))
+            y_bse[:, start:end] = y_bce
+        return y_bse
 
     @staticmethod
-    def backward(ctx, grad_y_bsh):
-        (x_bsh,) = ctx.saved_tensors
+    def backward(ctx, grad_y_bse):
+        (x_bse,) = ctx.saved_tensors
         need_grad_x = ctx.needs_input_grad[1]
-        grad_x_bsh = torch.empty_like(x_bsh) if need_grad_x else None
-        bounds = _tile_bounds(x_bsh.shape[1], ctx.num_tiles)
+        grad_x_bse = torch.empty_like(x_bse) if need_grad_x else None
+        bounds = _tile_bounds(x_bse.shape[1], ctx.num_tiles)
         zero3_params = [p for p in ctx.params if hasattr(p, "ds_id")]
         for tile, (start, end) in enumerate(bounds):
             # ZeRO-3 reduces a gradient as soon as its hook fires unless told to wait.
             for param in zero3_params:
                 param.ds_grad_is_ready = tile == len(bounds) - 1
-            x_bth = x_bsh[:, start:end].detach().contiguous().requires_grad_(need_grad_x)
+            x_bce = x_bse[:, start:end].detach().contiguous().requires_grad_(need_grad_x)
             with torch.enable_grad():
-                y_bth = ctx.mlp(x_bth)
-            if y_bth.requires_grad:
-                torch.autograd.backward(y_bth, grad_y_bsh[:, start:end])
+                y_bce = ctx.mlp(x_bce)
+            if y_bce.requires_grad:
+                torch.autograd.backward(y_bce, grad_y_bse[:, start:end])
             if need_grad_x:
-                grad_x_bsh[:, start:end] = x_bth.grad if x_bth.grad is not None else 0
-        return (None, grad_x_bsh, None) + (None,) * len(ctx.params)
+                grad_x_bse[:, start:end] = x_bce.grad if x_bce.grad is not None else 0
+        return (None, grad_x_bse, None) + (None,) * len(ctx.params)
 
 
 class TiledMLP(nn.Module):
@@ -123,16 +121,16 @@ class TiledMLP(nn.Module):
         self.register_state_dict_post_hook(_drop_wrapper_prefix)
         self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
 
-    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
-        if x_bsh.dim() != 3:
-            raise ValueError(f"TiledMLP expects hidden states [batch, seq, hidden], got shape {tuple(x_bsh.shape)}.")
-        seq_len, hidden_size = x_bsh.shape[1], x_bsh.shape[2]
+    def forward(self, x_bse: torch.Tensor) -> torch.Tensor:
+        if x_bse.dim() != 3:
+            raise ValueError(f"TiledMLP expects hidden states [batch, seq, hidden], got shape {tuple(x_bse.shape)}.")
+        seq_len, hidden_size = x_bse.shape[1], x_bse.shape[2]
         num_tiles = self.num_tiles or auto_num_tiles(seq_len, hidden_size, self.intermediate_size)
         num_tiles = min(num_tiles, seq_len)
         if num_tiles <= 1:
-            return self.mlp(x_bsh)
+            return self.mlp(x_bse)
         params = [p for p in self.mlp.parameters() if p.requires_grad]
-        return TiledMLPFunction.apply(self.mlp, x_bsh, num_tiles, *params)
+        return TiledMLPFunction.apply(self.mlp, x_bse, num_tiles, *params)
 
     def extra_repr(self) -> str:
         return f"intermediate_size={self.intermediate_size}, num_tiles={self.num_tiles or 'auto'}"
@@ -162,8 +160,8 @@ def _mlp_width(mlp: nn.Module, config) -> int:
     return config.intermediate_size
 
 
-def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Callable[[], None]:
-    """Wrap every decoder layer's `.mlp` in a TiledMLP; return a callable that restores them.
+def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Handle:
+    """Wrap every decoder layer's `.mlp` in a TiledMLP; the Handle's undo() restores them.
 
     Call it before `deepspeed.initialize`: ZeRO-3 registers its gather hooks then, and needs to
     see the TiledMLP wrappers as leaf modules.
@@ -193,7 +191,7 @@ def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Callabl
         for layer, mlp in zip(layers, originals):
             layer.mlp = mlp
 
-    return undo
+    return Handle(undo, "tiled MLP")
 
 
 __all__ = ["TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp"]

@@ -1,0 +1,116 @@
+"""Exact-size host buffers for offloaded activations, page-locked and reused from step to step."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_PAGE = 4096
+
+
+def _unregister_all(registered: dict) -> None:
+    """Finalizer of a _HostPool: unpin what is still registered before the memory can be freed."""
+    if registered and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        cudart = torch.cuda.cudart()
+        for ptr in list(registered):
+            cudart.cudaHostUnregister(ptr)
+    registered.clear()
+
+
+class _HostPool:
+    """Exact-size host buffers, page-locked with cudaHostRegister, reused from step to step.
+
+    `torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which rounds every
+    block up to a power of two: a 2.5 GiB layer input (Qwen3-4B shape, 512k tokens) takes 4 GiB of pinned
+    memory, and 36 of them do not fit a node's RAM. Here each buffer is a plain host allocation rounded up
+    to whole pages and page-aligned (so no two buffers share a page, which registration would refuse),
+    registered once and kept for the next step (registration costs ~0.1-0.3 s per GB, so only the first
+    step pays it). Without CUDA the buffers are ordinary memory (CPU tests).
+    """
+
+    def __init__(self):
+        self._free: dict[tuple[int, bool], list[tuple[torch.Tensor, int]]] = {}  # -> [(buffer, pass returned in)]
+        self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> the registered page-aligned region
+        self._closed = False
+        self.bytes = 0  # everything this pool holds, in use or free
+        self.passes = 0  # forward passes started
+        weakref.finalize(self, _unregister_all, self._registered)
+
+    def take(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        free = self._free.get((nbytes, pin))
+        if free:
+            return free.pop()[0], pin
+        if not pin:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            size = -(-nbytes // _PAGE) * _PAGE
+            raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+            offset = (-raw.data_ptr()) % _PAGE
+            region = raw[offset:offset + size]
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(region.data_ptr(), size, 0)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(
+                    f"cudaHostRegister of {size / 2**30:.2f} GiB for activation offload failed ({err}); the "
+                    "usual cause is a locked-memory limit (raise `ulimit -l`, or the container's memlock limit) "
+                    "or host RAM: keep more layers on the GPU (keep_on_gpu) or offload fewer."
+                )
+            self._registered[region.data_ptr()] = region
+            buf = region[:nbytes]
+        self.bytes += nbytes
+        return buf, pin
+
+    def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
+        """Return (buffer, pinned) pairs for reuse, emptying the list. Safe as soon as their copy back is
+        queued: the next copy into one is queued later on the same side stream."""
+        while buffers:
+            buf, pin = buffers.pop()
+            if self._closed:
+                self._drop(buf)
+            else:
+                self._free.setdefault((buf.numel(), pin), []).append((buf, self.passes))
+
+    def new_pass(self) -> None:
+        """A forward pass starts: drop free buffers no pass has used since the one before the last (left
+        over from a warm-up at another length, or from a plan that offloaded more layers)."""
+        self.passes += 1
+        stale = [(key, item) for key, items in self._free.items() for item in items if item[1] < self.passes - 2]
+        if not stale:
+            return
+        if torch.cuda.is_available() and self._registered:
+            torch.cuda.synchronize()  # only when something is dropped: copies out of it must be done
+        for key, item in stale:
+            self._free[key].remove(item)
+            self._drop(item[0])
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        self.bytes -= buf.numel()
+        if self._registered.pop(buf.data_ptr(), None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+    def release(self) -> None:
+        """Unregister and drop the free buffers (buffers in use come back to the pool for reuse)."""
+        if torch.cuda.is_available() and self._registered:
+            torch.cuda.synchronize()
+        for items in self._free.values():
+            for buf, _ in items:
+                self._drop(buf)
+        self._free = {}
+
+    def close(self) -> None:
+        """release(), and buffers still in use are dropped when they come back."""
+        self.release()
+        self._closed = True
+
+
+def _host_like(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """View the uint8 buffer as `tensor` (same strides when its layout is dense, else contiguous)."""
+    flat = buf.view(tensor.dtype)
+    if tensor.is_contiguous():
+        return flat.view(tensor.shape)
+    span = 1 + sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
+    if span == tensor.numel() and all(st >= 0 for st in tensor.stride()):
+        return flat.as_strided(tensor.shape, tensor.stride())
+    return flat.view(tensor.shape)

@@ -1,0 +1,195 @@
+"""The memory plan: which decoder layers skip the recompute, keep their input on the device, or keep their
+attention output, for one step of `seq_len` tokens in the memory there is.
+
+It sits above the levers: each lever states its own bytes next to its own constants
+(`checkpointing.checkpointed_input_bytes_per_token`, `attention.kept_output_bytes_per_token`,
+`kernels.attention_backward_block_bytes`, `chunked_loss.loss_head_bytes`); this module adds what a decoder
+layer's activations cost and chooses. One shape (`shape.ModelShape`), one function (`plan_memory`), one
+named result (`MemoryPlan`), which `SequenceParallelCausalLM` takes (`plan=` or `use_plan`). The training
+path and the benchmarks both get theirs from `plan_step_memory`, which measures free device and host memory
+on every rank once ZeRO-3 has allocated its partitions (before that it can only be guessed).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from .checkpointing import checkpointed_input_bytes_per_token
+from .attention import kept_output_bytes_per_token
+from .chunked_loss import loss_head_bytes
+from .kernels import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
+from .layout import ParallelLayout
+from .shape import ModelShape
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per decoder layer, what it keeps for backward (CheckpointHandle.configure's settings).
+
+    recompute_layers: the first this-many layers are checkpointed (recomputed in backward); later ones keep
+        all their activations.
+    keep_on_gpu: of the checkpointed layers, the last this-many keep their input on the device; the others
+        offload it to host memory.
+    cache_attention_layers: of the checkpointed layers, the last this-many keep their attention output, so
+        their recompute skips the attention kernel.
+    """
+
+    recompute_layers: int
+    keep_on_gpu: int
+    cache_attention_layers: int
+
+    @classmethod
+    def everything_checkpointed(cls, layers: int, keep_attention: bool = False) -> "MemoryPlan":
+        """Every layer checkpointed and offloaded: the least device memory (the default without a plan)."""
+        return cls(layers, 0, layers if keep_attention else 0)
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return self.recompute_layers, self.keep_on_gpu, self.cache_attention_layers
+
+    def with_overrides(self, recompute_layers: int | None = None, keep_on_gpu: int | None = None,
+                       cache_attention_layers: int | None = None) -> "MemoryPlan":
+        """The user's settings win over the plan's; the others follow a smaller recompute count down."""
+        recompute = self.recompute_layers if recompute_layers is None else recompute_layers
+        keep = min(self.keep_on_gpu, recompute) if keep_on_gpu is None else keep_on_gpu
+        cache = self.cache_attention_layers if cache_attention_layers is None else cache_attention_layers
+        return replace(self, recompute_layers=recompute, keep_on_gpu=keep, cache_attention_layers=min(cache, recompute))
+
+    def describe(self, layers: int, offload: bool = True) -> str:
+        """One line for a log: what each layer keeps."""
+        plain = layers - self.recompute_layers
+        offloaded = self.recompute_layers - self.keep_on_gpu if offload else 0
+        return (f"{plain} of {layers} layers keep all activations, {self.recompute_layers} checkpointed "
+                f"({offloaded} inputs offloaded to host memory, {self.recompute_layers - offloaded} kept on the "
+                f"device), {self.cache_attention_layers} keep their attention output")
+
+
+# Decoder-layer activations under the levers, bf16 bytes per local token, with q = h x d and kv = h_kv x d:
+#   a layer that keeps everything (no recompute): the inputs of the norms and projections, q/k/v and the
+#   attention output, 2 (4e + 3q + 3kv), x 1.25 for what the estimate misses (measured on the H200);
+#   one layer's recompute-and-backward working set: 2 (8e + 6q + 6kv), plus the attention backward's own block
+#   (kernels.py) over its head groups. On the Qwen3-0.6B shape at 256k: 57 KB/token by this formula, 45
+#   KB/token measured (BENCHMARKS.md G).
+def plain_layer_bytes_per_token(shape: ModelShape) -> float:
+    return 2 * (4 * shape.hidden + 3 * shape.q_width + 3 * shape.kv_width) * 1.25
+
+
+def working_set_bytes_per_token(shape: ModelShape) -> int:
+    return 2 * (8 * shape.hidden + 6 * shape.q_width + 6 * shape.kv_width)
+
+
+def plan_memory(
+    shape: ModelShape, seq_len: int, device_free_bytes: float, *, sp_size: int = 1,
+    host_free_bytes: float | None = None, offload: bool = True, keep_attention: bool = True,
+    head_groups: int | str = "auto", headroom: float = 0.8,
+) -> MemoryPlan:
+    """The fastest plan for a step of `seq_len` tokens (split over `sp_size` ranks) allowed
+    `device_free_bytes` more device memory and `host_free_bytes` of host memory (None: not the limit).
+
+    What each choice buys, per layer, at long context where attention is most of the step:
+      - keeping its attention output: the recompute skips the attention forward (~0.22 of the layer's
+        attention time: a causal forward is 1 of the 4.5 passes fwd + recompute + 2.5x bwd) for
+        kept_output_bytes_per_token, in host memory when the layer is offloaded;
+      - no recompute at all (plain): also skips the rest of the recompute, for all its activations.
+    So: every checkpointed layer keeps its attention output when there is room for it (host memory for
+    offloaded layers, the last layers first), then as many last layers as fit skip the recompute, then as
+    many checkpointed inputs (with their outputs) as fit stay on the device; the rest are offloaded.
+    Reserved first: one layer's working set, the loss head, and the previous layer's input and attention
+    output, prefetched while a layer's backward runs. head_groups: the attention kernel's groups ("auto":
+    kernels.attention_head_groups; 1 where the kernel is not ours to call). Only `headroom` of the free
+    memory (device and host) is planned for (fragmentation, collectives' buffers, the rest of the process).
+    """
+    layers = shape.layers
+    seq_local = -(-seq_len // sp_size)
+    s_pad = seq_local * sp_size
+    heads_local, kv_local = shape.local_heads(sp_size), shape.local_kv_heads(sp_size)
+    groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
+                                                                             shape.head_dim)
+    block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
+    kept = seq_local * checkpointed_input_bytes_per_token(shape)
+    cached = seq_local * kept_output_bytes_per_token(shape) if keep_attention else 0
+    working = (seq_local * working_set_bytes_per_token(shape) + block + loss_head_bytes(shape, seq_local)
+               + (kept + cached if offload else 0))
+    plain = seq_local * plain_layer_bytes_per_token(shape)
+    avail = device_free_bytes * headroom - working
+    if not offload:
+        # Every checkpointed input stays on the device. Attention outputs first (a tenth of a plain
+        # layer's bytes for most of its time saved), then plain layers with what is left.
+        per_ckpt = kept + cached
+        if avail < layers * per_ckpt:
+            n_cache = min(layers, int(max(avail - layers * kept, 0) // cached)) if cached else 0
+            return MemoryPlan(layers, layers, n_cache)
+        n_plain = min(layers, int((avail - layers * per_ckpt) // (plain - per_ckpt)))
+        recompute = layers - n_plain
+        return MemoryPlan(recompute, recompute, recompute if cached else 0)
+    if avail <= 0:
+        host = float("inf") if host_free_bytes is None else host_free_bytes * headroom - layers * kept
+        n_cache = (layers if host == float("inf") else min(layers, int(max(host, 0) // cached))) if cached else 0
+        return MemoryPlan(layers, 0, n_cache)
+    n_plain = min(layers, int(avail // plain))
+    avail -= n_plain * plain
+    recompute = layers - n_plain
+    keep = min(recompute, int(avail // (kept + cached)))
+    n_cache = keep if cached else 0
+    if cached:
+        offloaded = recompute - keep
+        if host_free_bytes is None:
+            n_cache += offloaded
+        else:
+            # The offloaded inputs go to the host first: they are not optional.
+            host = host_free_bytes * headroom - offloaded * kept
+            n_cache += min(offloaded, int(max(host, 0) // cached))
+    return MemoryPlan(recompute, keep, n_cache)
+
+
+def can_keep_attention(shape: ModelShape, kernel: str) -> bool:
+    """Kept attention outputs and head groups need a kernel we call ourselves (an SDPA one) and no dropout."""
+    return keeps_attention_outputs(kernel) and shape.attention_dropout == 0.0
+
+
+def planned_head_groups(shape: ModelShape, kernel: str, head_groups: int | str) -> int | str:
+    """The head groups a plan may count on: the kernel runs over groups only where we call it ourselves (the
+    same condition as kept outputs); else one call, whose whole backward block the plan must reserve."""
+    return head_groups if can_keep_attention(shape, kernel) else 1
+
+
+def measure_free_memory(device: torch.device, layout: ParallelLayout) -> tuple[int, int]:
+    """(free device bytes, host bytes available to this rank), the smallest over all ranks: ranks that plan
+    differently would deadlock in the recompute's collectives. Host memory is shared by the ranks of a node;
+    each counts its share. Collective: every rank calls it."""
+    import psutil
+
+    # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    # What the caching allocator holds but does not use is free for the step too (after a warm-up step,
+    # most of it).
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free = torch.tensor([torch.cuda.mem_get_info(device)[0] + cached, psutil.virtual_memory().available // local_ranks],
+                        dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
+    return int(free[0]), int(free[1])
+
+
+def plan_step_memory(
+    shape: ModelShape, seq_len: int, layout: ParallelLayout, device: torch.device, *, kernel: str = "auto",
+    head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0,
+) -> MemoryPlan:
+    """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
+    allocated (e.g. AdamW's two fp32 moments before the first step: 8 bytes per parameter over the ranks
+    that partition them). Collective on CUDA. Without CUDA: every layer checkpointed and offloaded, attention
+    outputs kept where the kernel allows (on a CPU that only exercises the paths)."""
+    keep_attention = can_keep_attention(shape, kernel)
+    if device.type != "cuda":
+        return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
+    device_free, host_free = measure_free_memory(device, layout)
+    return plan_memory(
+        shape, seq_len, device_free - reserved_bytes, sp_size=layout.sp_size, host_free_bytes=host_free,
+        offload=offload, keep_attention=keep_attention, head_groups=planned_head_groups(shape, kernel, head_groups),
+    )
+
+
+__all__ = ["MemoryPlan", "can_keep_attention", "measure_free_memory", "plan_memory", "plan_step_memory",
+           "planned_head_groups"]

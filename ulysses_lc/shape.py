@@ -1,0 +1,111 @@
+"""The model's shape, read once from its config, and the one shape legend of the package.
+
+Legend (every module uses these letters; a tensor name ends in its layout, e.g. `q_bhsd`, `hidden_bse`):
+    b        batch
+    s        whole sequence length (all ranks of an SP group together); s_pad rounded up to a multiple of sp
+    s_local  this rank's slice of the sequence (s_pad / sp)
+    t        tokens as rows (batch and sequence flattened)
+    c        rows of one chunk or tokens of one tile (loss, RMSNorm, MLP)
+    e        hidden size (the residual stream's width)
+    i        MLP intermediate width per token (MoE: experts per token x expert width)
+    v        vocabulary
+    h        query heads; h_kv key/value heads; h_local the heads one rank runs during attention
+    d        head dim
+    w        width of a normalised row (e, or d for the per-head q/k norms)
+    g        head groups the attention kernel runs one after another
+"axis" is a process-group axis (sp, dp); "dim" is a tensor dimension.
+
+`ModelShape` is what the levers, the memory plan and the FLOP count need to know of a model; each reads
+it from here instead of from the config (multimodal configs nest the text model's, head_dim may be
+implicit, MoE layers have their own width).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def text_config(config):
+    """The language model's config: multimodal configs nest it, text-only ones are it."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _is_moe_layer(cfg, layer: int) -> bool:
+    # Qwen2/3-MoE rule: a layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th
+    # layer, when the model has experts at all.
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0
+    if experts <= 0 or layer in (getattr(cfg, "mlp_only_layers", None) or []):
+        return False
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return (layer + 1) % step == 0
+
+
+def _mlp_matmul_params(cfg, layer: int) -> int:
+    """Weights an MLP multiplies each token by: dense 3 e i (gate, up, down); MoE the router and the active
+    experts (+ a shared expert where the config has one)."""
+    e = cfg.hidden_size
+    if not _is_moe_layer(cfg, layer):
+        return 3 * e * cfg.intermediate_size
+    experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
+    return e * experts + cfg.num_experts_per_tok * 3 * e * cfg.moe_intermediate_size + 3 * e * shared
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that memory and FLOPs depend on."""
+
+    layers: int
+    hidden: int  # e
+    intermediate: int  # i of a dense layer
+    heads: int  # h
+    kv_heads: int  # h_kv
+    head_dim: int  # d
+    vocab: int  # v
+    tied_head: bool
+    layer_matmul_params: int  # weights every token meets in the decoder layers (attention + MLP)
+    attention_dropout: float = 0.0
+    model_type: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        cfg = text_config(config)
+        e, heads = cfg.hidden_size, cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        d = getattr(cfg, "head_dim", None) or e // heads
+        attention = 2 * e * heads * d + 2 * e * kv_heads * d  # q and o, k and v projections
+        layer_params = sum(attention + _mlp_matmul_params(cfg, n) for n in range(cfg.num_hidden_layers))
+        return cls(
+            layers=cfg.num_hidden_layers, hidden=e, intermediate=cfg.intermediate_size, heads=heads,
+            kv_heads=kv_heads, head_dim=d, vocab=getattr(cfg, "vocab_size", 0) or 0,
+            tied_head=bool(getattr(config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
+            layer_matmul_params=layer_params, attention_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
+            model_type=getattr(cfg, "model_type", "") or "",
+        )
+
+    @property
+    def q_width(self) -> int:
+        """h x d: one token's query (and attention output) width."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """h_kv x d: one token's key (or value) width."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def head_matmul_params(self) -> int:
+        """The LM head's e x v weights (a matmul on every position, tied or not)."""
+        return self.hidden * self.vocab
+
+    def local_heads(self, sp_size: int) -> int:
+        """h_local: query heads one rank runs during attention."""
+        return self.heads // sp_size
+
+    def local_kv_heads(self, sp_size: int) -> int:
+        """Key/value heads one rank runs: h_kv / sp, or one replicated head when sp > h_kv."""
+        return max(self.kv_heads, sp_size) // sp_size
+
+
+__all__ = ["ModelShape", "text_config"]
