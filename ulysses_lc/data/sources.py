@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -17,24 +18,55 @@ PG19_SPLITS = ("train", "validation", "test")
 
 TINY_DOC_CHARS = 400_000  # one generated "book" of the tiny source
 
+# Local data files read through `datasets`, by suffix: the builder that reads them.
+DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")  # org/name or org/name:split
+
 
 @dataclass(frozen=True)
 class Source:
-    """A parsed data source: `kind` is one of pg19, tiny, folder, text, npy, bin."""
+    """A parsed data source: `kind` is one of pg19, tiny, folder, text, npy, bin (read by this package)
+    or hub, files (read through `datasets`: a hub id, or local data files of one `builder`)."""
 
     kind: str
-    location: str  # hub id for pg19, absolute path for local kinds, "tiny" for tiny
+    location: str  # hub id for pg19 and hub, absolute path for local kinds, "tiny" for tiny
     split: str | None = None
     seed: int = 0
+    config: str | None = None  # hub: the dataset's config name
+    revision: str | None = None  # hub: a branch, tag or commit
+    files: tuple[str, ...] = ()  # files: the data files, sorted
+    builder: str | None = None  # files: json, parquet, arrow or csv
 
     @property
     def pretokenized(self) -> bool:
         return self.kind in ("npy", "bin")
 
+    @property
+    def tabular(self) -> bool:
+        """Rows with columns (read through `datasets`) rather than documents of plain text."""
+        return self.kind in ("hub", "files")
 
-def parse_source(source: str | os.PathLike, *, seed: int = 0) -> Source:
-    """Turn the user's `source` string into a `Source`, refusing unknown names and missing paths."""
-    text = os.fspath(source)
+
+def parse_source(
+    source: str | os.PathLike, *, seed: int = 0, data_config: str | None = None, data_revision: str | None = None
+) -> Source:
+    """Turn the user's `source` string into a `Source`, refusing unknown names and missing paths.
+
+    Reads nothing but the file system's listing. data_config / data_revision: a hub dataset's
+    config name and revision; refused for other sources.
+    """
+    src = _parse(os.fspath(source), seed)
+    if (data_config is not None or data_revision is not None) and src.kind != "hub":
+        raise ValueError(
+            f"data_config={data_config!r} / data_revision={data_revision!r} apply to hub datasets (org/name), "
+            f"not to the {src.kind} source {os.fspath(source)!r}; drop them"
+        )
+    if src.kind == "hub":
+        return Source("hub", src.location, split=src.split, config=data_config, revision=data_revision)
+    return src
+
+
+def _parse(text: str, seed: int) -> Source:
     if text == "tiny":
         return Source("tiny", "tiny", seed=seed)
     if text == "pg19" or text.startswith("pg19:"):
@@ -44,19 +76,37 @@ def parse_source(source: str | os.PathLike, *, seed: int = 0) -> Source:
         return Source("pg19", PG19_HUB_ID, split=split)
     path = Path(text).expanduser()
     if not path.exists():
+        if HUB_ID.match(text):
+            hub_id, _, split = text.partition(":")
+            return Source("hub", hub_id, split=split or "train")
         raise ValueError(
-            f"source {text!r} is not 'pg19', 'pg19:<split>' or 'tiny', and no file or folder exists at "
-            f"{path.resolve()}; pass an existing .txt file, a folder of .txt files, a .npy/.bin of "
-            "token ids, 'pg19' (needs network) or 'tiny' (built in, offline)"
+            f"source {text!r} is not 'pg19', 'pg19:<split>', 'tiny' or a hub id 'org/name[:split]', and no file "
+            f"or folder exists at {path.resolve()}; pass an existing .txt file, a folder of .txt files, data "
+            f"files ({', '.join(DATA_FILE_BUILDERS)}) or a folder of them, a .npy/.bin of token ids, 'pg19' "
+            "(needs network) or 'tiny' (built in, offline)"
         )
     path = path.resolve()
     if path.is_dir():
-        if not folder_files(path):
-            raise ValueError(f"source folder {path} holds no *.txt files; add some or pass a single file")
-        return Source("folder", str(path))
+        if folder_files(path):  # .txt first: a folder of books keeps the behaviour it always had
+            return Source("folder", str(path))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_FILE_BUILDERS)
+        if not files:
+            raise ValueError(
+                f"source folder {path} holds no *.txt files and no data files ({', '.join(DATA_FILE_BUILDERS)}); "
+                "add some or pass a single file"
+            )
+        builders = sorted({DATA_FILE_BUILDERS[p.suffix.lower()] for p in files})
+        if len(builders) > 1:
+            raise ValueError(
+                f"source folder {path} mixes data file formats ({', '.join(builders)}); `datasets` reads one "
+                "format per source: move the others out or convert them"
+            )
+        return Source("files", str(path), split="train", files=tuple(map(str, files)), builder=builders[0])
     suffix = path.suffix.lower()
     if suffix in (".npy", ".bin"):
         return Source(suffix[1:], str(path))
+    if suffix in DATA_FILE_BUILDERS:
+        return Source("files", str(path), split="train", files=(str(path),), builder=DATA_FILE_BUILDERS[suffix])
     return Source("text", str(path))
 
 
@@ -65,21 +115,71 @@ def folder_files(folder: Path) -> list[Path]:
 
 
 def source_identity(src: Source, *, bin_dtype: str = "uint32") -> dict:
-    """What identifies the source's content for the cache key: path + size + mtime, or hub id + split."""
+    """What identifies the source's content for the cache key: path + size + mtime, or hub id + split
+    (+ config and revision for hub datasets)."""
     if src.kind == "pg19":
         return {"kind": "pg19", "hub_id": src.location, "split": src.split}
+    if src.kind == "hub":
+        return {"kind": "hub", "hub_id": src.location, "split": src.split, "config": src.config,
+                "revision": src.revision}
     if src.kind == "tiny":
         from ..tiny import TINY_TEXT_VERSION
 
         return {"kind": "tiny", "version": TINY_TEXT_VERSION, "doc_chars": TINY_DOC_CHARS, "seed": src.seed}
-    files = folder_files(Path(src.location)) if src.kind == "folder" else [Path(src.location)]
+    files = [Path(f) for f in src.files] if src.kind == "files" else _local_files(src)
     stats = [(f.as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     listing = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
     identity = {"kind": src.kind, "path": src.location, "files": len(stats), "listing": listing}
     if src.kind == "bin":
         identity["dtype"] = bin_dtype
+    if src.kind == "files":
+        identity["builder"] = src.builder
     return identity
 
+
+def _local_files(src: Source) -> list[Path]:
+    return folder_files(Path(src.location)) if src.kind == "folder" else [Path(src.location)]
+
+
+def iter_rows(src: Source) -> Iterator[dict]:
+    """The source's rows as dicts, in order: dataset rows for hub/files sources, {"text": document} for the others.
+
+    Hub and local datasets are streamed, so only the rows a run consumes are read.
+    """
+    if not src.tabular:
+        yield from ({"text": doc} for doc in iter_documents(src))
+        return
+    import datasets
+
+    what = f"hub dataset {src.location!r}" if src.kind == "hub" else f"{src.builder} files at {src.location}"
+
+    def unreadable(e: Exception) -> ValueError:
+        fix = (
+            "Without network access (or with HF_HUB_OFFLINE=1) pass local data files "
+            f"({', '.join(DATA_FILE_BUILDERS)}) or a folder of them; check the id, split and config."
+            if src.kind == "hub"
+            else f"Check that the files are valid {src.builder}."
+        )
+        return ValueError(f"could not read the {what} (split {src.split!r}): {type(e).__name__}: {e}. {fix}")
+
+    # As for PG-19: hub, network and parser failures come as many types with the same fixes.
+    try:
+        if src.kind == "hub":
+            dataset = datasets.load_dataset(src.location, name=src.config, split=src.split, streaming=True,
+                                            revision=src.revision)
+        else:
+            dataset = datasets.load_dataset(src.builder, data_files=list(src.files), split="train", streaming=True)
+        rows = iter(dataset)
+    except Exception as e:  # noqa: BLE001
+        raise unreadable(e) from e
+    while True:
+        try:
+            row = next(rows, None)
+        except Exception as e:  # noqa: BLE001
+            raise unreadable(e) from e
+        if row is None:
+            return
+        yield row
 
 
 def iter_documents(src: Source) -> Iterator[str]:
@@ -94,8 +194,7 @@ def iter_documents(src: Source) -> Iterator[str]:
     elif src.kind == "pg19":
         yield from _pg19_documents(src.location, src.split)
     else:
-        files = folder_files(Path(src.location)) if src.kind == "folder" else [Path(src.location)]
-        for path in files:
+        for path in _local_files(src):
             try:
                 yield path.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
