@@ -202,7 +202,7 @@ def test_cache_miss_then_hit_does_not_retokenize(bpe, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a cache hit must not tokenize")
 
-    monkeypatch.setattr(data, "tokenize_documents", fail)
+    monkeypatch.setattr(data.build, "tokenize_documents", fail)
     second = build(path, bpe, 256, 4, tmp_path)
     assert second.cache_hit and second.cache_path == first.cache_path
     assert np.array_equal(first.tokens, second.tokens)
@@ -237,7 +237,7 @@ def test_missing_path_and_bad_names(tiny, tmp_path):
 def test_too_few_tokens_refused_before_tokenizing(bpe, tmp_path, monkeypatch):
     path = tmp_path / "short.txt"
     path.write_text("only a few words")
-    monkeypatch.setattr(data, "tokenize_documents", lambda *a, **k: pytest.fail("tokenized a too-short source"))
+    monkeypatch.setattr(data.build, "tokenize_documents", lambda *a, **k: pytest.fail("tokenized a too-short source"))
     with pytest.raises(ValueError, match="16 bytes, so at most 16 tokens, but one step needs seq_len=100"):
         build(path, bpe, 100, 1, tmp_path)
 
@@ -317,7 +317,7 @@ def test_waiting_rank_fails_fast_when_rank_0_fails(bpe, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(data, "tokenize_documents", broken)
+    monkeypatch.setattr(data.build, "tokenize_documents", broken)
     with pytest.raises(OSError):
         build(path, bpe, 256, 4, tmp_path, local_rank=0)
     with pytest.raises(RuntimeError, match="disk full"):

@@ -14,7 +14,7 @@ import hashlib
 import random
 from functools import lru_cache
 
-TINY_TOKENIZER_NAME = "ulysses_lc/tiny-byte-v1"
+TINY_TOKENIZER_NAME = "ulysses_lc/tiny-byte-v2"  # v2: a chat template
 EOS_TOKEN = "<|endoftext|>"
 # Bump when tiny_text's output changes, so caches keyed on it are rebuilt.
 TINY_TEXT_VERSION = 1
@@ -54,6 +54,9 @@ def tiny_tokenizer():
 
     Returns a `transformers.PreTrainedTokenizerFast` with `name_or_path` set to
     `TINY_TOKENIZER_NAME` and a `fingerprint` attribute (stable across machines) for cache keys.
+    Its chat template writes each turn as "<|role|>\\n{content}<|end|>\\n" in plain bytes (no new
+    token ids) and marks each assistant turn's content and "<|end|>" with `{% generation %}`, so
+    `apply_chat_template(..., return_assistant_tokens_mask=True)` works offline.
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -66,7 +69,18 @@ def tiny_tokenizer():
         name_or_path=TINY_TOKENIZER_NAME,
         model_max_length=1 << 62,  # a stream tokenizer: no length warning on million-token texts
     )
-    tokenizer.fingerprint = f"{TINY_TOKENIZER_NAME}-{hashlib.sha256(tok_json.encode()).hexdigest()[:16]}"
+    tokenizer.chat_template = (
+        "{%- for message in messages -%}"
+        "{{- '<|' + message['role'] + '|>\\n' -}}"
+        "{%- if message['role'] == 'assistant' -%}"
+        "{% generation %}{{- message['content'] + '<|end|>' -}}{% endgeneration %}"
+        "{%- else -%}{{- message['content'] + '<|end|>' -}}{%- endif -%}"
+        "{{- '\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+    )
+    definition = tok_json + tokenizer.chat_template
+    tokenizer.fingerprint = f"{TINY_TOKENIZER_NAME}-{hashlib.sha256(definition.encode()).hexdigest()[:16]}"
     return tokenizer
 
 

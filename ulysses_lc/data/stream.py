@@ -1,0 +1,148 @@
+"""`TokenStream`: one `seq_len` window per step over the cached tokens, with a resumable position.
+
+Shapes: s = seq_len, the tokens of one step's whole sequence (before any sharding).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..constants import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One step's sequence.
+
+    input_ids: LongTensor [s].
+    labels: LongTensor [s], unshifted (Hugging Face convention: labels[t] is input_ids[t] where token
+        t is trained, IGNORE_INDEX where not); the consumer shifts. In packed windows the first token
+        of each document and all padding are IGNORE_INDEX.
+    document_lengths: packed windows: the lengths of the window's segments in order, summing exactly
+        to s; the samples (or pieces of split samples) first, then, when `padding_tokens` > 0, one
+        final segment of padding. Attention must not cross these borders and positions restart at 0
+        in each. None without packing: the window is one causal stream (documents joined with EOS
+        attend across borders).
+    num_documents: sample documents in the window (the padding segment not counted); 1 without packing.
+    padding_tokens: pad tokens at the end of a packed window; 0 without packing.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    document_lengths: list[int] | None
+    num_documents: int
+    padding_tokens: int
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Labels that are a loss target after the causal shift (position 0 never is)."""
+        return int((self.labels[1:] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class WindowDocuments:
+    """Document lengths of packed windows: window w's segments are lengths[starts[w]:starts[w + 1]]."""
+
+    lengths: np.ndarray  # [segments]
+    starts: np.ndarray  # [num_windows + 1]
+    padding: np.ndarray  # [num_windows], the last segment's length when > 0
+
+
+class TokenStream:
+    """Consecutive `seq_len`-token windows over a token array, with a resumable position.
+
+    `sequence(step)` / `sample(step)` wrap around: step `len(stream) + k` gives the same window as
+    step `k` (a new epoch over the data). A stream shorter than one window is refused at build time.
+    mask: uint8 per token, 1 where the label is the token (None: every token is trained).
+    documents: the packed windows' document lengths (None: not packed).
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        *,
+        stream_id: str,
+        cache_hit: bool = False,
+        cache_path=None,
+        mask: np.ndarray | None = None,
+        documents: WindowDocuments | None = None,
+    ):
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1")
+        if len(tokens) < seq_len:
+            raise ValueError(f"the token stream has {len(tokens):,} tokens but one step needs seq_len={seq_len:,}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.stream_id = stream_id  # tokenizer + source, not the length: resume may extend a run
+        self.cache_hit = cache_hit  # True when this process read tokens some earlier build wrote
+        self.cache_path = cache_path
+        self.position = 0  # the next step `next_sequence` returns
+        assert mask is None or len(mask) == len(tokens), (len(mask), len(tokens))
+        assert documents is None or (len(documents.starts) - 1) * seq_len == len(tokens)
+        self.mask = mask
+        self.documents = documents
+
+    @property
+    def packed(self) -> bool:
+        return self.documents is not None
+
+    def __len__(self) -> int:
+        """Distinct windows before the stream wraps around."""
+        return len(self.tokens) // self.seq_len
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def sequence(self, step: int) -> torch.Tensor:
+        """The step-th window's input_ids as a LongTensor [seq_len] (wrapping around past the end)."""
+        return torch.from_numpy(np.array(self.tokens[self._window(step)], dtype=np.int64))
+
+    def sample(self, step: int) -> Sample:
+        """The step-th window with its labels and document lengths (wrapping around past the end)."""
+        window = self._window(step)
+        # Copies: the memory map is read-only and the trainer may write into its batch.
+        input_ids = torch.from_numpy(np.array(self.tokens[window], dtype=np.int64))
+        if self.mask is None:
+            labels = input_ids.clone()
+        else:
+            trained = torch.from_numpy(np.array(self.mask[window], dtype=np.bool_))
+            labels = torch.where(trained, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        if self.documents is None:
+            return Sample(input_ids, labels, None, 1, 0)
+        w = step % len(self)
+        docs = self.documents
+        lengths = [int(n) for n in docs.lengths[docs.starts[w] : docs.starts[w + 1]]]
+        padding = int(docs.padding[w])
+        return Sample(input_ids, labels, lengths, len(lengths) - (padding > 0), padding)
+
+    def _window(self, step: int) -> slice:
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+        start = (step % len(self)) * self.seq_len
+        return slice(start, start + self.seq_len)
+
+    def next_sequence(self) -> torch.Tensor:
+        """The window at `position`, then advance `position` by one."""
+        window = self.sequence(self.position)
+        self.position += 1
+        return window
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seq_len": self.seq_len, "stream_id": self.stream_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"checkpoint was written with seq_len={state['seq_len']:,} but this run uses {self.seq_len:,}; "
+                "its data position would point at other windows. Resume with the same seq_len."
+            )
+        if state["stream_id"] != self.stream_id:
+            raise ValueError(
+                f"checkpoint's data stream {state['stream_id']} differs from this run's {self.stream_id} "
+                "(another tokenizer, source or sample settings); resume with the same source and tokenizer "
+                "(and the same text_column, loss_on and packing settings)."
+            )
+        self.position = int(state["position"])
