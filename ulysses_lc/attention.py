@@ -24,7 +24,7 @@ from .exchange import heads_to_seq, qkv_seq_to_heads, replicate_kv_heads
 from .handle import Handle
 from .kernels import (
     KERNELS, _ExplicitAttention, _check_groups, _flash_attn_func, attention_head_groups, causal_attention,
-    explicit_attention, keeps_attention_outputs, resolve_kernel, valid_head_groups,
+    document_attention, explicit_attention, keeps_attention_outputs, resolve_kernel, valid_head_groups,
 )
 from .layout import ParallelLayout, check_heads
 from .recompute import LayerRun, RecomputeContext
@@ -109,7 +109,8 @@ class UlyssesAttention:
         self.name = name or f"ulysses_lc_{kernel}_{next(_instance_ids)}"
         logger.info("ulysses_lc attention: kernel %s, sp_size %d", kernel, layout.sp_size)
 
-    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, document_bounds=None,
+                 **kwargs):
         if attention_mask is not None:
             raise ValueError(_MASK_REFUSED)
         if kwargs.get("sliding_window") is not None:
@@ -123,6 +124,10 @@ class UlyssesAttention:
         value = replicate_kv_heads(value, sp)
         q, k, v = qkv_seq_to_heads(query, key, value, self.layout)
         dropout = dropout if module.training else 0.0
+        if document_bounds is not None:
+            # Packed documents (sharding.py): the whole sequence's boundaries, the same on every rank.
+            out = document_attention(q, k, v, document_bounds, scaling, self.kernel, dropout)
+            return heads_to_seq(out, self.layout).transpose(1, 2), None
         groups = self.groups_for(q, k)
         out = None
         run = self.recompute.running(getattr(module, "layer_idx", None)) if self.recompute is not None else None

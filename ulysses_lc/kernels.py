@@ -76,6 +76,20 @@ def causal_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str = "sdpa", drop
     return out_bshd.transpose(1, 2)
 
 
+def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "sdpa", dropout: float = 0.0):
+    """Causal attention inside each document of a packed sequence: documents [bounds[i], bounds[i+1]) of the
+    whole sequence (bounds start at 0 and end at s); returns [b, h, s, d].
+
+    One kernel call per document: the block diagonal's FLOPs only, each call the kernel's own causal case
+    (cuDNN first on Hopper, flash-attn when chosen), so any kernel keeps the boundaries exactly. Kept outputs
+    and head groups are not used here: a document's backward block is its own length's."""
+    outs = [
+        causal_attention(q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b], scaling, kernel, dropout)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 # ---- attention whose output the forward keeps, so the checkpoint recompute skips the kernel ----
 #
 # Inside a checkpointed layer (checkpointing.py) the recompute runs the layer forward again, attention kernel
@@ -299,6 +313,7 @@ def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int
 
 
 __all__ = [
-    "KERNELS", "attention_backward_block_bytes", "attention_head_groups", "causal_attention", "explicit_attention",
+    "KERNELS", "attention_backward_block_bytes", "attention_head_groups", "causal_attention", "document_attention",
+    "explicit_attention",
     "keeps_attention_outputs", "resolve_kernel", "valid_head_groups",
 ]

@@ -37,7 +37,7 @@ def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
 class SequenceParallelCausalLM(nn.Module):
     """Wraps `model` (a transformers *ForCausalLM) for sequence-parallel training over `layout`.
 
-    forward(input_ids, position_ids, labels) -> loss: mean over the valid tokens of the whole sequence
+    forward(input_ids, position_ids, labels, cu_seqlens=None) -> loss: mean over the valid tokens of the whole sequence
     (all SP ranks), identical on each of them; `last_num_tokens` holds the valid-token count (a device
     tensor, read it after the step). The wrapped model stays a normal HF model (`.model`): save or
     export it as usual, after `undo()` if you want the plain modules back.
@@ -123,7 +123,7 @@ class SequenceParallelCausalLM(nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None):
         if position_ids is None and self.layout.sp_size > 1:
             raise ValueError(
                 "position_ids are required under sequence parallelism: each rank holds a slice of the sequence "
@@ -131,8 +131,10 @@ class SequenceParallelCausalLM(nn.Module):
             )
         if labels is None:
             raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
+        # Packed documents: their boundaries reach the attention function through transformers' layer kwargs.
+        extra = {} if cu_seqlens is None else {"document_bounds": tuple(int(n) for n in cu_seqlens.tolist())}
         hidden_bse = self.model.base_model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
         ).last_hidden_state
         head = self.model.get_output_embeddings()
         if isinstance(head, ChunkedLossHead):

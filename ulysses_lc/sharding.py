@@ -7,10 +7,18 @@ the label of the last token of rank r's slice is the first token of rank r+1's s
 shard borders. Then the sequence is padded at the end to a multiple of sp (padding has IGNORE_INDEX
 labels and, being last, is never attended to by a real token under the causal kernel), and each rank
 takes its contiguous slice with its *global* position ids.
+
+Packed documents (`document_lengths`): several documents share the sequence without reading each other.
+Positions restart at 0 in each document (RoPE, YaRN, as if it were alone), the label of a document's last
+token is ignored (the next token is another document's), and the boundaries travel with the batch as
+`cu_seqlens` over the WHOLE padded sequence (the end padding is a segment of its own), identical on every
+rank: after the Ulysses exchange each rank holds the whole sequence for its heads and runs attention per
+document (attention.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -29,18 +37,24 @@ class ShardedBatch:
     position_ids: torch.Tensor  # [b, s_local], global positions
     seq_len: int  # s, before padding
     padded_len: int  # s_pad
+    cu_seqlens: torch.Tensor | None = None  # [documents + 1] int32 boundaries over the whole s_pad; None: one stream
 
     def to(self, device) -> "ShardedBatch":
+        """The token tensors on `device`; cu_seqlens stays on the host, where attention reads it (no sync)."""
         return ShardedBatch(
             self.input_ids.to(device, non_blocking=True),
             self.labels.to(device, non_blocking=True),
             self.position_ids.to(device, non_blocking=True),
             self.seq_len,
             self.padded_len,
+            self.cu_seqlens,
         )
 
     def as_kwargs(self) -> dict:
-        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+        kwargs = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+        if self.cu_seqlens is not None:
+            kwargs["cu_seqlens"] = self.cu_seqlens
+        return kwargs
 
 
 def shift_labels(labels_bs: torch.Tensor) -> torch.Tensor:
@@ -54,9 +68,32 @@ def _check_positions(position_ids_bs: torch.Tensor) -> None:
     if steps.numel() and not bool((steps == 1).all()):
         raise ValueError(
             "position_ids are not one contiguous run per sequence (packed documents or gaps): the causal kernel "
-            "would let packed documents attend to each other. Join documents into one causal stream (EOS between "
-            "them, positions 0..s-1), or train them as separate sequences."
+            "would let packed documents attend to each other. Pass document_lengths=[...] to shard_batch (positions "
+            "then restart per document and attention stays inside each), or join documents into one causal "
+            "stream (EOS between them, positions 0..s-1)."
         )
+
+
+def _document_lengths(document_lengths, b: int, s: int) -> list[int]:
+    lengths = [int(n) for n in document_lengths]
+    if b != 1:
+        raise ValueError(f"document_lengths packs one sequence; got a batch of {b}. Pass one sequence per call.")
+    if any(n < 1 for n in lengths) or sum(lengths) != s:
+        raise ValueError(
+            f"document_lengths must be positive and add up to the sequence length {s:,}; they add up to "
+            f"{sum(lengths):,} ({len(lengths)} documents, smallest {min(lengths, default=0)}). Count every token, "
+            "padding included (as its own document), once."
+        )
+    return lengths
+
+
+def _packed_positions_and_labels(lengths: list[int], labels_bs: torch.Tensor):
+    """Positions restarting at 0 per document, and shifted labels with each document's last one ignored."""
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    labels_bs = labels_bs.clone()
+    labels_bs[:, ends] = IGNORE_INDEX
+    return position_ids.to(labels_bs.device), labels_bs
 
 
 def shard_batch(
@@ -67,12 +104,15 @@ def shard_batch(
     pad_token_id: int = 0,
     *,
     vocab_size: int | None = None,
+    document_lengths: list[int] | None = None,
 ) -> ShardedBatch:
     """Shift, pad and slice one batch of full sequences for this rank of the SP group.
 
     input_ids: [b, s] or [s], the whole sequence (every rank of the SP group passes the same one).
     labels: unshifted, in the Hugging Face convention (defaults to input_ids); IGNORE_INDEX is kept.
     position_ids: global positions, one contiguous run per row (default 0..s-1).
+    document_lengths: packed documents, lengths in order adding up to s (one sequence, b = 1): positions
+        restart per document, a document's last label is ignored, attention stays inside each document.
     vocab_size: when given, every shifted label other than IGNORE_INDEX must be in [0, vocab_size)
         (ValueError otherwise). Pass it: on a GPU the loss only has a device-side assert for this
         (it must not sync), so this is where a bad label gets a clear error.
@@ -88,7 +128,12 @@ def shard_batch(
     labels = input_ids if labels is None else labels.reshape(b, -1)
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids {tuple(input_ids.shape)}.")
-    if position_ids is None:
+    lengths = None
+    if document_lengths is not None:
+        if position_ids is not None:
+            raise ValueError("pass document_lengths or position_ids, not both: packed positions follow the lengths.")
+        lengths = _document_lengths(document_lengths, b, s)
+    elif position_ids is None:
         position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
     else:
         position_ids = position_ids.reshape(-1, s).expand(b, s)
@@ -98,6 +143,11 @@ def shard_batch(
     s_pad = -(-s // sp) * sp
     pad = s_pad - s
     labels = shift_labels(labels)
+    cu_seqlens = None
+    if lengths is not None:
+        position_ids, labels = _packed_positions_and_labels(lengths, labels)
+        bounds = [0, *itertools.accumulate(lengths)] + ([s_pad] if pad else [])  # the padding: a segment
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
     if vocab_size is not None:
         # On the whole sequence, before slicing: every rank of the SP group raises alike, none is left
         # waiting in a collective.
@@ -105,7 +155,10 @@ def shard_batch(
     if pad:
         input_ids = torch.cat([input_ids, input_ids.new_full((b, pad), pad_token_id)], dim=1)
         labels = torch.cat([labels, labels.new_full((b, pad), IGNORE_INDEX)], dim=1)
+        # The padding continues the last run of positions (a segment of its own when packed).
         tail = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)
+        if lengths is not None:
+            tail = torch.arange(pad, device=position_ids.device).expand(b, pad)
         position_ids = torch.cat([position_ids, tail], dim=1)
 
     s_local = s_pad // sp
@@ -116,4 +169,5 @@ def shard_batch(
         position_ids[:, rows].contiguous(),
         seq_len=s,
         padded_len=s_pad,
+        cu_seqlens=cu_seqlens,
     )

@@ -1,0 +1,104 @@
+"""Packed documents under Ulysses: each document trained as if alone, at SP 1, 2 and 4.
+
+Reference: plain transformers on each document alone (its own positions 0..n-1, labels = its tokens), the
+losses combined token-weighted (sum of token losses / all predicted tokens) and backpropagated once. The packed
+side: one sequence of the documents end to end through shard_batch(document_lengths=...), every lever on.
+Tolerances (fp32): loss 1e-5 relative, each gradient 1e-4 relative norm (test_sp_parity's).
+"""
+
+import pytest
+import torch
+
+from tests._dist import run_distributed
+from tests.models import VOCAB, build
+from tests.test_sp_parity import assert_close
+from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
+
+# 48 tokens over sp 4 -> shards of 12: document 0 (17) crosses the first border, document 1 (5) is shorter than a
+# shard, document 2 is one token, document 3 (25) crosses two borders.
+LENGTHS = [17, 5, 1, 25]
+
+
+def _documents(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+def reference(docs, ignore_first=0):
+    model = build("qwen3")
+    total, count = 0.0, 0
+    for doc in docs:
+        labels = doc.clone()
+        labels[:ignore_first] = IGNORE_INDEX
+        n = int((labels[1:] != IGNORE_INDEX).sum())
+        if n == 0:  # a one-token document predicts nothing
+            continue
+        loss = model(input_ids=doc[None], labels=labels[None]).loss
+        total = total + loss * n
+        count += n
+    loss = total / count
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def packed_worker(rank, world_size, docs, levers, ignore_first=0):
+    layout = ParallelLayout.build(world_size)
+    model = SequenceParallelCausalLM(build("qwen3"), layout, min_offload_bytes=0, **levers)
+    labels = [d.clone() for d in docs]
+    for lab in labels:
+        lab[:ignore_first] = IGNORE_INDEX
+    batch = shard_batch(torch.cat(docs), layout, labels=torch.cat(labels), document_lengths=LENGTHS)
+    loss = model(**batch.as_kwargs())
+    loss.backward()
+    reduce_gradients(model.parameters(), layout)
+    grads = {n.replace(".mlp.mlp.", ".mlp."): p.grad for n, p in model.model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+ALL_LEVERS = dict(chunked_loss=4, tiled_mlp=3, checkpointing=True, offload=True, plan=MemoryPlan(2, 0, 2))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_packed_documents_equal_each_alone(world):
+    docs = _documents()
+    ref = reference(docs)
+    for loss, grads in run_distributed(packed_worker, world, docs, ALL_LEVERS):
+        assert_close(loss, grads, *ref)
+
+
+def test_packed_with_masked_prompts():
+    # Each document's first 3 labels ignored (a prompt): still the per-document reference.
+    docs = _documents(seed=1)
+    ref = reference(docs, ignore_first=3)
+    for loss, grads in run_distributed(packed_worker, 2, docs, ALL_LEVERS, 3):
+        assert_close(loss, grads, *ref)
+
+
+def test_packing_changes_the_numbers():
+    # The same tokens as one causal stream read across borders: another loss (the test above can fail).
+    docs = _documents()
+    ref_loss, _ = reference(docs)
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    model = build("qwen3")
+    ids = torch.cat(docs)[None]
+    stream_loss = model(input_ids=ids, labels=ids).loss.item()
+    assert abs(stream_loss - ref_loss) > 1e-3 * ref_loss
+    batch = shard_batch(torch.cat(docs), layout, document_lengths=LENGTHS)
+    assert batch.position_ids.tolist()[0][:19] == list(range(17)) + [0, 1]
+    assert batch.labels[0, 16] == IGNORE_INDEX and batch.labels[0, 21] == IGNORE_INDEX  # last tokens of docs 0, 1
+    assert batch.cu_seqlens.tolist() == [0, 17, 22, 23, 48]
+
+
+def test_bad_document_lengths_refused():
+    layout = ParallelLayout(world_size=2, sp_size=2)
+    ids = torch.arange(10)
+    with pytest.raises(ValueError, match="add up to the sequence length 10"):
+        shard_batch(ids, layout, document_lengths=[4, 4])
+    with pytest.raises(ValueError, match="must be positive"):
+        shard_batch(ids, layout, document_lengths=[10, 0])
+    with pytest.raises(ValueError, match="one sequence per call"):
+        shard_batch(ids.expand(2, 10), layout, document_lengths=[5, 5])
+    with pytest.raises(ValueError, match="document_lengths"):  # packed positions without lengths
+        shard_batch(ids, layout, position_ids=torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4]))
+    # Padding to a multiple of sp is a segment of its own.
+    assert shard_batch(torch.arange(9), layout, document_lengths=[4, 5]).cu_seqlens.tolist() == [0, 4, 9, 10]
