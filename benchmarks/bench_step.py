@@ -88,9 +88,10 @@ def _cudnn_first():
 
 # ---- the three step implementations: each returns (batch_fn(ids_cpu) -> batch, fwd_bwd(batch) -> loss) ----
 
-def setup_ours(model, layout, **levers):
+def setup_ours(model, layout, doc=None, **levers):
     """ulysses_lc.SequenceParallelCausalLM with the given levers (defaults: all on); "plan" is a MemoryPlan's
-    (recompute_layers, keep_on_gpu, cache_attention_layers) as a list (specs travel as JSON)."""
+    (recompute_layers, keep_on_gpu, cache_attention_layers) as a list (specs travel as JSON). doc: the sequence
+    is packed documents of this many tokens (shard_batch(document_lengths=...))."""
     from ulysses_lc import MemoryPlan, SequenceParallelCausalLM, shard_batch
 
     levers = dict(levers)
@@ -98,7 +99,9 @@ def setup_ours(model, layout, **levers):
     wrapper = SequenceParallelCausalLM(model, layout, plan=MemoryPlan(*plan) if plan else None, **levers)
 
     def batch_fn(ids):
-        return shard_batch(ids, layout).to(_device()).as_kwargs()
+        n = ids.numel()
+        lengths = None if doc is None else [doc] * (n // doc) + ([n % doc] if n % doc else [])
+        return shard_batch(ids, layout, document_lengths=lengths).to(_device()).as_kwargs()
 
     def fwd_bwd(batch):
         loss = wrapper(**batch)
@@ -306,7 +309,7 @@ def run_variant(spec: dict) -> dict:
         config = model.config
         rec["layers"] = config.num_hidden_layers
         if spec["kind"] == "ours":
-            module, batch_fn, fwd_bwd = setup_ours(model, layout, **spec.get("levers", {}))
+            module, batch_fn, fwd_bwd = setup_ours(model, layout, spec.get("doc"), **spec.get("levers", {}))
         elif spec["kind"] == "alst":
             module, batch_fn, fwd_bwd = setup_alst(model)
         elif spec["kind"] == "stock":
@@ -472,6 +475,20 @@ SUITES = {
         _v("ours@1M/1L", "ours", 1024 * K, 60, layers=1, warmup="short"),
         # Added after the first ladder: the 4-layer 1M target, with the bf16-saving RMSNorm and 4 i/h MLP tiles.
         _v("ours@1M/4L", "ours", 1024 * K, 200, layers=4, warmup="short"),
+    ],
+    # issue 11: the training path's plan at 128k after the restructuring (BENCHMARKS.md D/G: 15.43-15.59 s,
+    # plan 4 checkpointed / 1 input on the GPU / 4 kept outputs); issue 12: 256k as packed documents.
+    "refactor": [
+        _v("ours-plan@128k", "ours", 128 * K, 45, plan=True),
+    ],
+    "packing": [
+        _v("ours-plan@256k", "ours", 256 * K, 80, warmup="short", plan=True),
+        _v("ours-plan@256k-docs8k", "ours", 256 * K, 45, warmup="short", plan=True, doc=8 * K),
+        _v("ours-plan@256k-docs4k", "ours", 256 * K, 40, warmup="short", plan=True, doc=4 * K),
+    ],
+    "packing-smoke": [
+        _v("ours", "ours", 256, 30, shape="tiny"),
+        _v("ours-docs64", "ours", 256, 30, shape="tiny", doc=64),
     ],
     "smoke": [
         dict(name="kernel", kind="kernel", lengths=[256], backends=["MATH"], est_s=30),
