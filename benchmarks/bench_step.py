@@ -338,7 +338,7 @@ def run_variant(spec: dict) -> dict:
         rec["loss_warmup"] = float(loss_w)
 
         if spec.get("plan"):
-            # What the training path does (training._memory_plan): plan from the free device and host memory
+            # What the training path does (ulysses_lc.train.plan_glue.memory_plan): plan from the free device and host memory
             # once the optimizer state exists. Free device memory includes what the allocator caches.
             import psutil
 

@@ -146,7 +146,8 @@ def _has_flash_attn():
 
 
 def test_the_training_plan_counts_groups_only_where_the_kernel_runs_them():
-    from ulysses_lc.training import TrainConfig, _plan_head_groups
+    from ulysses_lc.train import TrainConfig
+    from ulysses_lc.train.plan_glue import plan_head_groups as _plan_head_groups
     from tests.models import tiny_config
 
     config = tiny_config("qwen3")
