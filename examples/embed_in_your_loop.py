@@ -16,8 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, apply_yarn, check_deepspeed_config, shard_batch
-from ulysses_lc.tiny import tiny_text, tiny_tokenizer
-from ulysses_lc.training import tiny_model_config
+from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 
 SEQ_LEN = 4096
 

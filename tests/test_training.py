@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from tests._dist import run_distributed
-from ulysses_lc.training import EXPORT_DIR, TrainConfig, train
+from ulysses_lc.tiny import tiny_model_config
+from ulysses_lc.train import EXPORT_DIR, TrainConfig, parse_args, train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
 
@@ -42,15 +43,6 @@ def losses_of(records):
 
 
 def test_cli_defaults_to_tiny_without_gpu():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "examples" / "train_1m.py"
-    spec = importlib.util.spec_from_file_location("train_1m", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    parse_args = module.parse_args
-
     cfg = parse_args(["--steps", "3"])
     if not torch.cuda.is_available():
         assert (cfg.model, cfg.data, cfg.steps) == ("tiny", "tiny", 3)
@@ -85,7 +77,6 @@ def test_train_resume_export(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from ulysses_lc.training import tiny_model_config
     from ulysses_lc.yarn import apply_yarn
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / EXPORT_DIR, dtype=torch.float32)
@@ -174,7 +165,6 @@ def test_train_from_local_folder(tmp_path):
     # The real loading path (from_pretrained under ZeRO-3's zero.Init, tokenizer from the folder) on a
     # tiny model saved to disk: no hub needed.
     from ulysses_lc.tiny import tiny_tokenizer
-    from ulysses_lc.training import tiny_model_config
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path / "tiny-model"
@@ -215,7 +205,6 @@ def test_data_parallel_run(tmp_path):
 
     from ulysses_lc.data import build_token_stream
     from ulysses_lc.tiny import tiny_tokenizer
-    from ulysses_lc.training import tiny_model_config
 
     stream = build_token_stream("tiny", tiny_tokenizer(), 1024, num_steps=4, cache_dir=cfg.cache_dir, progress=False)
     torch.manual_seed(0)

@@ -1,4 +1,8 @@
-"""DeepSpeed config checks: refuse settings under which sequence-parallel training would be silently wrong."""
+"""DeepSpeed config checks: refuse settings under which sequence-parallel training would be silently wrong.
+
+`check_deepspeed_config` checks the batch and ZeRO keys against the layout; `resolve_precision` and
+`check_optimizer_block` fill the "auto" values the training path owns (precision, lr, weight decay).
+"""
 
 from __future__ import annotations
 
@@ -76,3 +80,45 @@ def check_deepspeed_config(config: dict, layout: ParallelLayout, gradient_accumu
             f"sp_size={layout.sp_size}; remove the key or make them agree."
         )
     return config
+
+
+def resolve_precision(ds_config: dict, dtype) -> dict:
+    """Fill bf16 "auto" from the training dtype (bf16 on GPU, fp32 on CPU); an explicit setting must agree.
+
+    dtype: the torch dtype the weights train in. Changes and returns `ds_config`.
+    """
+    import torch
+
+    bf16 = ds_config.setdefault("bf16", {"enabled": "auto"})
+    if bf16.get("enabled") == "auto":
+        bf16["enabled"] = dtype == torch.bfloat16
+    elif bool(bf16.get("enabled")) != (dtype == torch.bfloat16):
+        raise ValueError(
+            f"the DeepSpeed config sets bf16.enabled={bf16.get('enabled')} but this run trains in {dtype} "
+            "(bf16 on GPUs, fp32 on CPU); set it to \"auto\"."
+        )
+    if ds_config.get("fp16", {}).get("enabled"):
+        raise ValueError("fp16 is not supported for million-token training (overflow in long reductions); use bf16.")
+    return ds_config
+
+
+def check_optimizer_block(ds_config: dict, lr: float, weight_decay: float) -> dict:
+    """Fill a DeepSpeed "optimizer" block's "auto" lr and weight_decay from the run; refuse a different lr.
+
+    The block is needed for optimizer offload (DeepSpeed's CPU Adam); a "scheduler" block is refused, since
+    the run sets the schedule. Changes and returns `ds_config`.
+    """
+    block = ds_config.get("optimizer")
+    if block is None:
+        return ds_config
+    params = block.setdefault("params", {})
+    if params.get("lr", "auto") not in ("auto", lr):
+        raise ValueError(
+            f"the DeepSpeed config's optimizer has lr={params['lr']} but --lr is {lr}; set it to \"auto\"."
+        )
+    params["lr"] = lr
+    if params.get("weight_decay", "auto") == "auto":
+        params["weight_decay"] = weight_decay
+    if "scheduler" in ds_config:
+        raise ValueError("the DeepSpeed config has a scheduler block; remove it, --lr-schedule sets the schedule.")
+    return ds_config

@@ -195,3 +195,20 @@ def tiny_text(num_chars: int, seed: int = 0) -> str:
         parts.append(paragraph)
         size += len(paragraph)
     return "".join(parts)[:num_chars]
+
+
+def tiny_model_config():
+    """The embedded default model: a small Qwen3 (full attention, GQA) over `tiny_tokenizer`'s vocabulary.
+
+    Its "trained length" is 1024 tokens, so the default 4096-token run goes through YaRN (factor 4)
+    exactly as a real model stretched to 1M does.
+    """
+    from transformers import Qwen3Config
+
+    vocab = len(tiny_tokenizer())
+    return Qwen3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        max_position_embeddings=1024, rope_theta=10000.0, eos_token_id=vocab - 1,
+        pad_token_id=vocab - 1,
+    )

@@ -1,0 +1,35 @@
+"""The main job: config and command line, loading, schedule, checkpoints, export, and the loop that joins them.
+
+  TrainConfig, parse_args    what one run trains, from code or the command line  (config.py)
+  load_model_config, ...     config / tokenizer / weights from hub, folder, tiny (loading.py)
+  lr_lambda                  warmup then constant / linear / cosine               (schedule.py)
+  check_output_dir, ...      output-dir policy, RNG, save and resume              (checkpoint.py)
+  export_hf_model            consolidated Hugging Face model at the end           (export.py)
+  train                      the loop                                             (loop.py)
+"""
+
+from .checkpoint import CHECKPOINT_DIR, RUN_FILE, check_output_dir
+from .config import TINY, TINY_DEFAULTS, TrainConfig, build_parser, parse_args
+from .export import EXPORT_DIR, export_hf_model, gather_state_dict
+from .loading import load_model, load_model_config, load_tokenizer
+from .loop import train
+from .schedule import lr_lambda
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "EXPORT_DIR",
+    "RUN_FILE",
+    "TINY",
+    "TINY_DEFAULTS",
+    "TrainConfig",
+    "build_parser",
+    "check_output_dir",
+    "export_hf_model",
+    "gather_state_dict",
+    "load_model",
+    "load_model_config",
+    "load_tokenizer",
+    "lr_lambda",
+    "parse_args",
+    "train",
+]

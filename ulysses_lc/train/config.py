@@ -1,0 +1,142 @@
+"""What one run trains: `TrainConfig`, its checks, and the command line that fills it.
+
+The command line lives here, not in examples/, so that every script (examples/train_1m.py, a user's
+own) gets the same flags, defaults and help. Without GPUs, or with --model tiny, the defaults switch to
+the embedded tiny Qwen3 on generated text and a short sequence (`TINY_DEFAULTS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..kernels import valid_head_groups
+from .schedule import SCHEDULES
+
+TINY = "tiny"
+KERNELS = ("auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass
+class TrainConfig:
+    """What one run trains. Field names match the command-line flags (`parse_args`)."""
+
+    model: str = "Qwen/Qwen3-8B"
+    seq_len: int = 1_048_576
+    sp_size: int | None = None  # None: every rank in one SP group
+    data: str = "pg19"
+    steps: int = 12
+    lr: float = 1e-5
+    lr_schedule: str = "cosine"  # constant | linear | cosine
+    warmup_steps: int = 1
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    ds_config: str = "ds_configs/zero3.json"
+    output_dir: str = "runs/train_1m"
+    resume: bool = False
+    save_every: int = 0  # 0: only at the end
+    seed: int = 0
+    yarn_factor: float | None = None
+    kernel: str = "auto"
+    keep_on_gpu: int | None = None  # None: from the memory plan (memory.plan_step_memory)
+    recompute_layers: int | None = None  # None: from the memory plan
+    cache_attention_layers: int | None = None  # None: from the memory plan
+    attention_head_groups: int | str = "auto"  # the attention kernel over this many kv-head groups
+    cache_dir: str | None = None
+    tensorboard: bool = False
+    export: bool = True
+
+    def check(self) -> None:
+        """ValueError naming the flag and the fix for a setting no run can use."""
+        if self.seq_len < 2:
+            raise ValueError(f"--seq-len {self.seq_len} is too short: a step needs at least 2 tokens.")
+        if self.steps < 1:
+            raise ValueError(f"--steps {self.steps}: train at least one step.")
+        if self.lr <= 0:
+            raise ValueError(f"--lr {self.lr} must be positive.")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"--lr-schedule {self.lr_schedule!r}: pick constant, linear or cosine.")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every {self.save_every} must be >= 0 (0 saves only at the end).")
+        if not valid_head_groups(self.attention_head_groups):
+            raise ValueError(f"--attention-head-groups {self.attention_head_groups!r}: give 'auto' or a whole "
+                             "number >= 1.")
+        for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
+            value = getattr(self, flag)
+            if value is not None and value < 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 0 (leave it out to plan from memory).")
+
+
+TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3, output_dir="runs/tiny")
+
+DESCRIPTION = """\
+Fine-tune a causal LM on one ~1M-token sequence per step: Ulysses SP + ZeRO-3 + all memory levers.
+
+    deepspeed --num_gpus 8 examples/train_1m.py                       # Qwen3-8B on PG-19, 1,048,576 tokens
+    deepspeed --num_gpus 2 examples/train_1m.py                       # no GPU: the embedded tiny default
+    deepspeed --num_gpus 8 examples/train_1m.py --model ./my-model --data ./books/ --seq-len 524288
+
+Without GPUs (or with --model tiny) the defaults switch to the embedded tiny Qwen3, generated text and a
+short sequence, so the whole pipeline runs on a laptop in minutes and prints steps in the same format.
+"""
+
+
+def _head_groups(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'auto' or a whole number of groups") from None
+
+
+def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
+    """The main job's flags; each defaults to None where `parse_args` fills it from the (tiny) defaults."""
+    d = TrainConfig()
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help=f"hub name or local folder, or 'tiny' (default {d.model}; tiny without GPUs)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence, one sequence per step (default {d.seq_len:,})")
+    p.add_argument("--sp-size", type=int, help="ranks sharing one sequence (default: all ranks; DP over the rest)")
+    p.add_argument("--data", help="'pg19', a .txt file, a folder of .txt, a .npy/.bin of token ids, or 'tiny'")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=d.lr_schedule,
+                   help="decay after warmup, down to --min-lr-ratio x lr")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr as a fraction of --lr")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument("--ds-config", default=d.ds_config,
+                   help="DeepSpeed JSON: ds_configs/zero3.json, zero3_offload_optimizer.json or zero3_offload_all.json")
+    p.add_argument("--output-dir", help=f"checkpoints, metrics.jsonl and the HF export (default {d.output_dir})")
+    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --output-dir")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end)")
+    p.add_argument("--yarn-factor", type=float, help="YaRN factor (default: seq-len / the model's trained length)")
+    p.add_argument("--kernel", default=d.kernel, choices=list(KERNELS), help="attention kernel (auto: cuDNN SDPA on Hopper)")
+    p.add_argument("--keep-on-gpu", type=int, help="checkpointed layers whose input stays on the GPU (default: as many as fit)")
+    p.add_argument("--recompute-layers", type=int,
+                   help="layers checkpointed and recomputed in backward (default: only as many as memory requires)")
+    p.add_argument("--cache-attention-layers", type=int,
+                   help="checkpointed layers that keep their attention output so the recompute skips the kernel "
+                        "(default: as many as device and host memory allow)")
+    p.add_argument("--attention-head-groups", type=_head_groups, default=d.attention_head_groups,
+                   help="run the attention kernel over this many groups of kv heads, one after another, so its "
+                        "backward's working block exists one group at a time (default auto: under 1 GiB)")
+    p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")
+    p.add_argument("--no-export", dest="export", action="store_false", help="skip the final HF export")
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    return p
+
+
+def parse_args(argv=None) -> TrainConfig:
+    """The TrainConfig for command-line `argv` (default sys.argv): flags over the (tiny) defaults."""
+    import torch
+
+    d = TrainConfig()
+    args = vars(build_parser().parse_args(argv))
+    args.pop("local_rank")
+    tiny = args["model"] == TINY or (args["model"] is None and not torch.cuda.is_available())
+    defaults = TINY_DEFAULTS if tiny else {}
+    values = {k: (v if v is not None else defaults.get(k, getattr(d, k))) for k, v in args.items()}
+    return TrainConfig(**values)

@@ -1,0 +1,61 @@
+"""The run's end product: a consolidated Hugging Face model folder (weights, config with YaRN, tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..layout import ParallelLayout
+from ..model import SequenceParallelCausalLM
+
+EXPORT_DIR = "hf_export"
+
+
+def gather_state_dict(module: torch.nn.Module, rank0: bool) -> dict[str, torch.Tensor] | None:
+    """The full state dict of `module` on the host of rank 0 (None elsewhere), one module's parameters at a time.
+
+    Collective under ZeRO-3: every rank must call it. deepspeed.zero.GatheredParameters assembles each
+    module's partitioned parameters and frees them again on leaving, so no rank ever holds more than one
+    module's full weights on the device; plain (not partitioned) parameters pass through unchanged.
+    Tied parameters stay tied: the second name points at the first name's tensor.
+    """
+    import deepspeed
+
+    state = {} if rank0 else None
+    first_name: dict[int, str] = {}
+    for prefix, sub in module.named_modules():
+        params = list(sub.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            if not rank0:
+                continue
+            for name, p in params:
+                key = f"{prefix}.{name}" if prefix else name
+                if id(p) in first_name:
+                    state[key] = state[first_name[id(p)]]
+                else:
+                    # A copy: on leaving the context the gathered storage is released (on CPU, .cpu() would alias it).
+                    state[key] = p.detach().to("cpu", copy=True)
+                    first_name[id(p)] = key
+            for name, buf in sub.named_buffers(recurse=False):
+                if buf is not None and name not in sub._non_persistent_buffers_set:
+                    state[f"{prefix}.{name}" if prefix else name] = buf.detach().to("cpu", copy=True)
+    return state
+
+
+def export_hf_model(engine, model: SequenceParallelCausalLM, tokenizer, export_dir: Path, layout: ParallelLayout):
+    """Write a consolidated Hugging Face model (the trained dtype's weights, config with its YaRN rope_parameters).
+
+    Collective: every rank must call it (ZeRO-3 gathers the partitioned weights to rank 0).
+    """
+    state = gather_state_dict(engine.module, layout.rank == 0)
+    if layout.rank == 0:
+        # Names under the wrapper (and inside TiledMLP) -> the plain model's names, matched by parameter.
+        wrapped = dict(model.named_parameters(remove_duplicate=False))
+        model.undo()  # plain attention name, LM head and MLP modules in the saved config and keys
+        plain = {id(p): name for name, p in model.model.named_parameters(remove_duplicate=False)}
+        rename = {name: plain[id(p)] for name, p in wrapped.items() if id(p) in plain}
+        state = {rename.get(k, k.removeprefix("model.")): v for k, v in state.items()}
+        model.model.save_pretrained(export_dir, state_dict=state)
+        tokenizer.save_pretrained(export_dir)
+    torch.distributed.barrier()

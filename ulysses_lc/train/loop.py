@@ -1,0 +1,169 @@
+"""The training loop behind examples/train_1m.py: one long sequence per step, on DeepSpeed ZeRO-3.
+
+Every piece is a library call a user can take on its own (see examples/embed_in_your_loop.py); this
+module strings them together with the run's bookkeeping: checks before any heavy work, the token
+cache, the engine, logging, checkpoints with resume, and the final Hugging Face export.
+
+Order of work, chosen so that mistakes cost seconds: flags and the DeepSpeed config are checked, the
+output directory is checked, the model config is read (no weights) and the SP split checked against
+it, the data source is checked; only then are weights loaded and the data tokenized.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from ..attention import check_model_for_ulysses
+from ..data import build_token_stream, parse_source
+from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
+from ..layout import ParallelLayout
+from ..memory import MemoryPlan, plan_step_memory
+from ..metrics import StepLogger, measure_peak_bf16_tflops, model_flops_per_step
+from ..model import SequenceParallelCausalLM
+from ..sharding import shard_batch
+from ..yarn import apply_yarn
+from .checkpoint import check_output_dir, load_checkpoint, save_checkpoint, write_run_file
+from .config import TrainConfig
+from .export import EXPORT_DIR, export_hf_model
+from .loading import load_model, load_model_config, load_tokenizer
+from .schedule import lr_lambda
+
+logger = logging.getLogger(__name__)
+
+
+def train(cfg: TrainConfig, on_step=None) -> list[dict]:
+    """Run (or resume) training; returns the per-step records (rank 0; other ranks get []).
+
+    on_step(step, record) is called after every step on every rank (record None off rank 0); raising
+    from it stops the run there, as a crash would (tests use this to kill a run mid-way).
+    """
+    import deepspeed
+
+    cfg.check()
+    ds_raw = load_deepspeed_config(cfg.ds_config)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    world = torch.distributed.get_world_size()
+    sp_size = cfg.sp_size or world
+    layout = ParallelLayout.build(sp_size)  # ValueError when world is not divisible
+    rank0 = layout.rank == 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # One optimizer step per sequence per DP group: the loop, schedule and checkpoints count in those steps.
+    ds_config = resolve_precision(check_deepspeed_config(ds_raw, layout, gradient_accumulation_steps=1), dtype)
+    check_optimizer_block(ds_config, cfg.lr, cfg.weight_decay)
+    out = check_output_dir(cfg, sp_size, world)
+    if cfg.seq_len < sp_size:
+        raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
+
+    model_config = load_model_config(cfg.model)
+    check_model_for_ulysses(model_config, sp_size)
+    apply_yarn(model_config, cfg.seq_len, cfg.yarn_factor)
+    parse_source(cfg.data, seed=cfg.seed)  # a missing path fails here, before any weights load
+
+    tokenizer = load_tokenizer(cfg.model)
+    stream = build_token_stream(
+        cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * layout.dp_size, cache_dir=cfg.cache_dir,
+        local_rank=local_rank, seed=cfg.seed, progress=rank0,
+    )
+
+    torch.manual_seed(cfg.seed)
+    hf_model = load_model(cfg.model, model_config, dtype, cfg.seed, device, ds_config)
+    num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in hf_model.parameters())
+    model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
+
+    optimizer = None
+    if "optimizer" not in ds_config:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+        )
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+        config=ds_config, mpu=layout.mpu,
+    )
+    engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
+    plan = _memory_plan(cfg, model, device, num_params, layout)
+    model.use_plan(plan)
+    if rank0:
+        logger.info("memory plan: %s", model.checkpointing.report())
+
+    start_step = 0
+    if cfg.resume:
+        start_step = load_checkpoint(engine, out, stream)
+        if rank0:
+            logger.info("resumed from step %d", start_step)
+    elif rank0:
+        write_run_file(out, cfg, sp_size, world)
+
+    # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size.
+    flops = model_flops_per_step(model_config, cfg.seq_len, recompute_layers=plan.recompute_layers,
+                                 cached_attention_layers=plan.cache_attention_layers)
+    peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
+    records = []
+    with StepLogger(
+        out, cfg.steps, tokens_per_step=cfg.seq_len * layout.dp_size, world_size=sp_size, flops=flops,
+        peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=cfg.tensorboard,
+    ) as step_logger:
+        for step in range(start_step, cfg.steps):
+            # DP group j takes window position + j; the position then moves past all DP groups' windows.
+            sequence = stream.sequence(stream.position + layout.dp_rank)
+            batch = shard_batch(sequence, layout, pad_token_id=_pad_id(tokenizer),
+                                vocab_size=model_config.vocab_size).to(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            loss = engine(**batch.as_kwargs())
+            engine.backward(loss)
+            engine.step()
+            # The one host sync of the step: the logged numbers.
+            loss_value = _dp_mean(loss.detach(), layout)
+            step_time = time.perf_counter() - t0
+            grad_norm = engine.get_global_grad_norm()
+            record = step_logger.log(
+                step + 1, loss=loss_value, step_time_s=step_time,
+                grad_norm=None if grad_norm is None else float(grad_norm),
+                lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
+            )
+            stream.position += layout.dp_size
+            if record is not None:
+                records.append(record)
+            done = step + 1
+            if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+                save_checkpoint(engine, out, done, stream)
+            if on_step is not None:
+                on_step(done, record)
+
+    if cfg.export:
+        export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout)
+    return records
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
+    """The step's loss averaged over DP groups (each SP group already holds its sequence's mean)."""
+    if layout.dp_size > 1:
+        loss = loss.clone()
+        torch.distributed.all_reduce(loss, group=layout.dp_group)
+        loss /= layout.dp_size
+    return float(loss)
+
+
+def _memory_plan(cfg: TrainConfig, model: SequenceParallelCausalLM, device: torch.device, num_params: int,
+                 layout: ParallelLayout) -> MemoryPlan:
+    """memory.plan_step_memory for this run, the flags winning over it. Called after deepspeed.initialize
+    (ZeRO-3's partitions are then allocated); AdamW's two fp32 moments (8 bytes per parameter, partitioned
+    over all ranks) come at the first step, so they are reserved."""
+    plan = plan_step_memory(model.shape, cfg.seq_len, layout, device, kernel=model.attention.kernel,
+                            head_groups=cfg.attention_head_groups, reserved_bytes=8 * num_params // layout.world_size)
+    return plan.with_overrides(cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
