@@ -267,6 +267,10 @@ class StepLogger:
         if r["lr"] is not None:
             parts.append(f"lr {r['lr']:.1e}")
         parts += [f"tokens {r['tokens']:,}", f"{r['step_time_s']:.1f} s", f"{r['tokens_per_s']:,.0f} tok/s"]
+        if r.get("trained_tokens") is not None:
+            parts.append(f"trained {r['trained_tokens']:,}")
+        if r.get("documents", 1) > 1:  # packed samples
+            parts.append(f"docs {r['documents']} (pad {100 * r.get('padding_share', 0.0):.1f}%)")
         if r["tflops_per_gpu"] is not None:
             parts.append(f"{r['tflops_per_gpu']:.1f} TFLOPS/GPU (ALST conv. {r['effective_tflops_per_gpu']:.1f})")
         if r["mfu"] is not None:

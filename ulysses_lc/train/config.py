@@ -25,6 +25,11 @@ class TrainConfig:
     seq_len: int = 1_048_576
     sp_size: int | None = None  # None: every rank in one SP group
     data: str = "pg19"
+    text_column: str | None = None  # None: messages, then prompt + completion, then text (data/samples.py)
+    data_config: str | None = None  # a hub dataset's config name
+    loss_on: str | None = None  # completion | all; None: completion for chat and prompt/completion data
+    packing: bool = False  # whole samples per window, each attending only to itself
+    long_samples: str = "split"  # with packing: split | refuse a sample longer than seq_len
     steps: int = 12
     lr: float = 1e-5
     lr_schedule: str = "cosine"  # constant | linear | cosine
@@ -97,7 +102,18 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--model", help=f"hub name or local folder, or 'tiny' (default {d.model}; tiny without GPUs)")
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence, one sequence per step (default {d.seq_len:,})")
     p.add_argument("--sp-size", type=int, help="ranks sharing one sequence (default: all ranks; DP over the rest)")
-    p.add_argument("--data", help="'pg19', a .txt file, a folder of .txt, a .npy/.bin of token ids, or 'tiny'")
+    p.add_argument("--data", help="'pg19', a hub dataset 'org/name[:split]', a .jsonl/.json/.parquet/.arrow/.csv file "
+                                  "or a folder of them, a .txt file or folder of .txt, a .npy/.bin of token ids, or 'tiny'")
+    p.add_argument("--text-column", help="column of plain text (default: messages, then prompt/completion, then text)")
+    p.add_argument("--data-config", help="a hub dataset's config name")
+    p.add_argument("--loss-on", choices=["completion", "all"],
+                   help="train on completions / assistant turns only, or on every token (default: completion for "
+                        "chat and prompt/completion data, all for plain text)")
+    p.add_argument("--packing", action="store_true", default=None,
+                   help="fill each sequence with whole samples, each attending only to itself (positions restart "
+                        "per sample); default: samples joined into one causal stream")
+    p.add_argument("--long-samples", choices=["split", "refuse"],
+                   help="with --packing: cut a sample longer than --seq-len into pieces, or refuse it (default split)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
     p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=d.lr_schedule,

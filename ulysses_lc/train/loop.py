@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..attention import check_model_for_ulysses
-from ..data import build_token_stream, parse_source
+from ..data import build_token_stream, check_source
 from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
 from ..layout import ParallelLayout
 from ..memory import MemoryPlan, plan_step_memory
@@ -65,12 +65,14 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
     apply_yarn(model_config, cfg.seq_len, cfg.yarn_factor)
-    parse_source(cfg.data, seed=cfg.seed)  # a missing path fails here, before any weights load
-
     tokenizer = load_tokenizer(cfg.model)
+    data_settings = dict(text_column=cfg.text_column, data_config=cfg.data_config, loss_on=cfg.loss_on,
+                         packing=cfg.packing, long_samples=cfg.long_samples, seed=cfg.seed)
+    # A missing path, column or completion fails here, on the first rows, before any weights load.
+    check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
     stream = build_token_stream(
         cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * layout.dp_size, cache_dir=cfg.cache_dir,
-        local_rank=local_rank, seed=cfg.seed, progress=rank0,
+        local_rank=local_rank, progress=rank0, **data_settings,
     )
 
     torch.manual_seed(cfg.seed)
@@ -114,9 +116,9 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     ) as step_logger:
         for step in range(start_step, cfg.steps):
             # DP group j takes window position + j; the position then moves past all DP groups' windows.
-            sequence = stream.sequence(stream.position + layout.dp_rank)
-            batch = shard_batch(sequence, layout, pad_token_id=_pad_id(tokenizer),
-                                vocab_size=model_config.vocab_size).to(device)
+            sample = stream.sample(stream.position + layout.dp_rank)
+            batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=_pad_id(tokenizer),
+                                vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
@@ -131,6 +133,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
                 step + 1, loss=loss_value, step_time_s=step_time,
                 grad_norm=None if grad_norm is None else float(grad_norm),
                 lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
+                trained_tokens=_dp_sum(model.last_num_tokens, layout), documents=sample.num_documents,
+                padding_share=sample.padding_tokens / cfg.seq_len,
             )
             stream.position += layout.dp_size
             if record is not None:
@@ -148,6 +152,14 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
 
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+def _dp_sum(count: torch.Tensor, layout: ParallelLayout) -> int:
+    """Labels trained this step over all DP groups (each SP group holds its sequence's count)."""
+    if layout.dp_size > 1:
+        count = count.clone()
+        torch.distributed.all_reduce(count, group=layout.dp_group)
+    return int(count)
 
 
 def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
