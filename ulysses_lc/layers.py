@@ -2,8 +2,6 @@
 
 import torch.nn as nn
 
-from .shape import text_config  # noqa: F401 - where callers found it before shape.py existed
-
 
 def decoder_layers(model: nn.Module, lever: str) -> nn.ModuleList:
     """`model.model.layers` of a Llama/Qwen3-style *ForCausalLM (or `model.layers` of its base model).
