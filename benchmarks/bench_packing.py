@@ -3,7 +3,8 @@
     python benchmarks/bench_packing.py --out results/                    # one H200: kernel table, then steps
     python benchmarks/bench_packing.py --smoke --out /tmp/pack           # CPU, tiny shapes
 
-Kernel: `kernels.document_attention` (one cuDNN-first SDPA call per document, fwd+bwd) on q [1, 16, s, 128],
+Kernel: `kernels.document_attention` fwd+bwd, how="loop" (cuDNN-first SDPA per run of equal-length documents:
+here one batched call) and how="varlen" (torch.nn.attention.varlen, one call), on q [1, 16, s, 128],
 k, v [1, 8, s, 128], bf16, against one causal call over the whole sequence. TF/s count the FLOPs the block
 diagonal needs: 3.5 x sum over documents of the causal forward's 2 n^2 h d (ANCHORS.md convention), so a
 packed layout at the single-document rate would show the same TF/s.
@@ -26,7 +27,9 @@ HERE = Path(__file__).resolve().parent
 K = 1024
 
 
-def time_documents(seq: int, doc: int, iters: int = 3, heads=16, kv_heads=8, head_dim=128) -> dict:
+def time_documents(seq: int, doc: int, how: str = "loop", mixed: bool = False, iters: int = 3, heads=16, kv_heads=8,
+                   head_dim=128) -> dict:
+    """mixed: document lengths drawn from [doc/2, 3 doc/2) (seeded), as packing real samples gives; else all doc."""
     from ulysses_lc.kernels import document_attention, resolve_kernel
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,11 +39,18 @@ def time_documents(seq: int, doc: int, iters: int = 3, heads=16, kv_heads=8, hea
     k = torch.randn(1, kv_heads, seq, head_dim, device=dev, dtype=dtype, generator=g).requires_grad_()
     v = torch.randn(1, kv_heads, seq, head_dim, device=dev, dtype=dtype, generator=g).requires_grad_()
     dout = torch.randn_like(q)
-    bounds = list(range(0, seq, doc)) + [seq]
+    if mixed:
+        import random
+
+        rng, bounds = random.Random(0), [0]
+        while bounds[-1] < seq:
+            bounds.append(min(seq, bounds[-1] + rng.randrange(doc // 2, 3 * doc // 2)))
+    else:
+        bounds = list(range(0, seq, doc)) + [seq]
     kernel = resolve_kernel("auto")
 
     def once():
-        document_attention(q, k, v, bounds, head_dim ** -0.5, kernel).backward(dout)
+        document_attention(q, k, v, bounds, head_dim ** -0.5, kernel, how=how).backward(dout)
         q.grad = k.grad = v.grad = None
 
     once()
@@ -55,7 +65,8 @@ def time_documents(seq: int, doc: int, iters: int = 3, heads=16, kv_heads=8, hea
         times.append(time.perf_counter() - t0)
     seconds = min(times)
     flops = 3.5 * sum(2 * (b - a) ** 2 * heads * head_dim for a, b in zip(bounds[:-1], bounds[1:]))
-    return dict(seq=seq, doc=doc, documents=len(bounds) - 1, kernel=kernel, seconds=seconds, tflops=flops / seconds / 1e12)
+    return dict(seq=seq, doc=doc, mixed=mixed, how=how, documents=len(bounds) - 1, kernel=kernel, seconds=seconds,
+                tflops=flops / seconds / 1e12)
 
 
 def main():
@@ -69,7 +80,9 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seq, docs = (2048, [2048, 512, 128]) if args.smoke else (args.seq, args.docs)
-    rows = [time_documents(seq, doc) for doc in docs]
+    hows = ["loop", "varlen"] if torch.cuda.is_available() else ["loop"]
+    rows = [time_documents(seq, doc, how, mixed) for doc in docs for mixed in ((False, True) if doc < seq else (False,))
+            for how in (hows if doc < seq else ["loop"])]
     single = next(r for r in rows if r["doc"] == seq)
     for r in rows:
         r["rate_vs_single"] = r["tflops"] / single["tflops"]
@@ -77,9 +90,10 @@ def main():
     if args.steps:
         suite = "packing-smoke" if args.smoke else "packing"
         subprocess.run([sys.executable, str(HERE / "bench_step.py"), "--suite", suite, "--out", str(out)], check=False)
-    print(f"{'docs':>10} {'n':>5} {'s':>9} {'TF/s':>8} {'vs one doc':>10}")
+    print(f"{'docs':>10} {'lengths':>8} {'how':>7} {'n':>5} {'s':>9} {'TF/s':>8} {'vs one doc':>10}")
     for r in rows:
-        print(f"{r['doc']:>10,} {r['documents']:>5} {r['seconds']:>9.3f} {r['tflops']:>8.1f} {r['rate_vs_single']:>10.2f}")
+        print(f"{r['doc']:>10,} {'mixed' if r['mixed'] else 'equal':>8} {r['how']:>7} {r['documents']:>5} {r['seconds']:>9.3f} {r['tflops']:>8.1f} "
+              f"{r['rate_vs_single']:>10.2f}")
 
 
 if __name__ == "__main__":

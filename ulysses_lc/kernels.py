@@ -76,18 +76,109 @@ def causal_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str = "sdpa", drop
     return out_bshd.transpose(1, 2)
 
 
-def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "sdpa", dropout: float = 0.0):
-    """Causal attention inside each document of a packed sequence: documents [bounds[i], bounds[i+1]) of the
-    whole sequence (bounds start at 0 and end at s); returns [b, h, s, d].
+# Packed documents. One kernel call per document computes the block diagonal's FLOPs only, each call the kernel's
+# own causal case (cuDNN first on Hopper): on an H200 a 256k-token step as 8k documents ran in 0.20x the time of
+# one 256k sequence (BENCHMARKS.md I). Many short documents pay a launch and a poorly filled kernel each (1k
+# documents: 0.01 of the single-document rate), so below DOCUMENT_VARLEN_TOKENS per document, on CUDA, one
+# variable-length flash call (torch.nn.attention.varlen) takes them all. Runs of equal-length documents go to the
+# per-document kernel as one batched call.
+DOCUMENT_VARLEN_TOKENS = 4096
+DOCUMENT_KERNELS = ("auto", "loop", "varlen")
 
-    One kernel call per document: the block diagonal's FLOPs only, each call the kernel's own causal case
-    (cuDNN first on Hopper, flash-attn when chosen), so any kernel keeps the boundaries exactly. Kept outputs
-    and head groups are not used here: a document's backward block is its own length's."""
-    outs = [
-        causal_attention(q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b], scaling, kernel, dropout)
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
+
+def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "sdpa", dropout: float = 0.0,
+                       how: str = "auto"):
+    """Causal attention inside each document of a packed sequence: documents [bounds[i], bounds[i+1]) of the
+    whole sequence (bounds start at 0 and end at s); returns [b, h, s, d]. Exact on any kernel.
+
+    how: "loop" (one call per run of equal-length documents, `causal_attention`), "varlen" (one
+    variable-length call, CUDA, SDPA kernels), "auto" (varlen where it is available and the documents are
+    shorter than DOCUMENT_VARLEN_TOKENS on average, else loop). Kept outputs and head groups are not used
+    here: a document's backward block is its own length's."""
+    if how not in DOCUMENT_KERNELS:
+        raise ValueError(f"how={how!r}: pick one of {DOCUMENT_KERNELS}.")
+    documents = len(bounds) - 1
+    short = (bounds[-1] - bounds[0]) / max(documents, 1) < DOCUMENT_VARLEN_TOKENS
+    varlen_ok = q_bhsd.is_cuda and not dropout and kernel in _KEPT_BACKENDS and _varlen_attn() is not None
+    if how == "varlen" or (how == "auto" and short and varlen_ok and documents > 1):
+        if not varlen_ok:
+            raise ValueError("how='varlen' needs CUDA, an SDPA kernel, no attention dropout and "
+                             "torch.nn.attention.varlen; use how='loop'.")
+        return _varlen_documents(q_bhsd, k_bhsd, v_bhsd, bounds, scaling)
+    outs = []
+    for a, b, n in _equal_runs(bounds):
+        if n == 1:
+            outs.append(causal_attention(q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b], scaling, kernel, dropout))
+        else:  # n documents of one length: one call with them along the batch dim
+            outs.append(_batched_documents(q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b], n, scaling, kernel,
+                                           dropout))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _equal_runs(bounds):
+    """(start, end, count) of maximal runs of consecutive documents of one length."""
+    runs, i = [], 0
+    while i < len(bounds) - 1:
+        length, j = bounds[i + 1] - bounds[i], i + 1
+        while j < len(bounds) - 1 and bounds[j + 1] - bounds[j] == length:
+            j += 1
+        runs.append((bounds[i], bounds[j], j - i))
+        i = j
+    return runs
+
+
+def _batched_documents(q_bhsd, k_bhsd, v_bhsd, n, scaling, kernel, dropout):
+    """n equal-length documents laid end to end along s: [b, h, n*L, d] -> n sequences of L along the batch."""
+    def split(x):
+        b, h, s, d = x.shape
+        return x.unflatten(2, (n, s // n)).permute(0, 2, 1, 3, 4).flatten(0, 1)  # [b*n, h, L, d]
+
+    out = causal_attention(split(q_bhsd), split(k_bhsd), split(v_bhsd), scaling, kernel, dropout)
+    b = q_bhsd.shape[0]
+    return out.unflatten(0, (b, n)).permute(0, 2, 1, 3, 4).flatten(2, 3)
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_documents(q_bhsd, k_bhsd, v_bhsd, bounds, scaling):
+    """One torch.nn.attention.varlen call over every document of a batch-1 sequence. Its signature changed
+    across torch releases (is_causal; then window_size, scale, enable_gqa): both are handled here."""
+    import inspect
+
+    varlen_attn = _varlen_attn()
+    if q_bhsd.shape[0] != 1:
+        raise ValueError("packed documents train one sequence per step (batch 1).")
+    params = inspect.signature(varlen_attn).parameters
+    h, hkv, d = q_bhsd.shape[1], k_bhsd.shape[1], q_bhsd.shape[-1]
+    q_thd = q_bhsd[0].transpose(0, 1)
+    k_thd, v_thd = k_bhsd[0].transpose(0, 1), v_bhsd[0].transpose(0, 1)
+    kwargs = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    scale = scaling if scaling is not None else d ** -0.5
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale != d ** -0.5:
+        q_thd = q_thd * (scale * d ** 0.5)
+    if h != hkv:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k_thd, v_thd = k_thd.repeat_interleave(h // hkv, 1), v_thd.repeat_interleave(h // hkv, 1)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=q_bhsd.device)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    out_thd = varlen_attn(q_thd.contiguous(), k_thd.contiguous(), v_thd.contiguous(), cu, cu, longest, longest,
+                          **kwargs)
+    out_thd = out_thd[0] if isinstance(out_thd, tuple) else out_thd
+    return out_thd.transpose(0, 1).unsqueeze(0)
 
 
 # ---- attention whose output the forward keeps, so the checkpoint recompute skips the kernel ----
