@@ -13,7 +13,8 @@ step. Timed: one step after one warm-up step ("full": warm-up at the same length
 plans). Peak: torch.cuda.max_memory_allocated over the timed step (reset after warm-up, optimizer state
 already allocated). GB are 1e9 bytes.
 
-Importable pieces: `build_model`, `setup_ours`, `setup_alst`, `setup_stock`, `bench_attention_kernel`.
+Importable pieces: `build_model`, `setup_ours`, `setup_alst` (and its `install_alst_tiled_mlp`,
+`alst_loss_sum`), `setup_stock`, `bench_attention_kernel`.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 IGNORE_INDEX = -100
 
-# Public configs (ANCHORS.md); rope_theta 1e6, tied embeddings for both.
+# Public configs (ANCHORS.md); rope_theta 1e6; 0.6B and 4B tie their embeddings, 8B does not.
 SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=1000),
 }
@@ -58,18 +61,19 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def build_model(shape: str, num_layers: int | None = None, seed: int = 0):
-    """Random-weight bf16 Qwen3 causal LM of a public shape, built directly on the device."""
+def build_model(shape: str, num_layers: int | None = None, seed: int = 0, dtype=torch.bfloat16, device=None):
+    """Random-weight Qwen3 causal LM of a public shape (bf16 unless told), built directly on the device."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     kw = dict(SHAPES[shape])
+    kw.setdefault("tie_word_embeddings", True)
     if num_layers:
         kw["num_hidden_layers"] = num_layers
-    config = Qwen3Config(**kw, max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True,
-                         use_cache=False, attn_implementation="sdpa")
+    config = Qwen3Config(**kw, max_position_embeddings=40960, rope_theta=1e6, use_cache=False,
+                         attn_implementation="sdpa")
     torch.manual_seed(seed)
-    with torch.device(_device()):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(device or _device()):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.train()
     return model
 
@@ -111,24 +115,12 @@ def setup_ours(model, layout, doc=None, **levers):
     return wrapper, batch_fn, fwd_bwd
 
 
-def setup_alst(model, logits_shard_gib: float = 1.0):
-    """DeepSpeed's ALST pieces at sp 1, wired as deepspeed.runtime.sequence_parallel.ulysses_sp documents them.
-
-    - TiledMLP: the docstring's monkey patch of the MLP forward, shards = ceil(seqlen / hidden) agreed
-      by an all-reduce MAX (one .item() per layer call, as documented).
-    - TiledFusedLogitsLoss: loss from hidden states in shards of ~1 GiB fp32 logits (ArcticTraining's
-      slice size), output_reduction="sum" divided by the valid-token count (the docstring's advice
-      when shards may hold different numbers of valid labels).
-    - HF non-reentrant gradient checkpointing with DeepSpeed's CheckpointHiddenStatesOffload
-      (offload_activations.py): one manager for every step, forward and backward inside it.
-    - cuDNN-first SDPA priority around forward and backward (so the checkpoint recompute agrees).
-    """
-    import deepspeed  # noqa: F401  (accelerator setup)
+def install_alst_tiled_mlp(group=None):
+    """DeepSpeed's TiledMLP as its docstring wires it: Qwen3MLP.forward monkey-patched (for every Qwen3 model
+    in the process), shards = ceil(seqlen / hidden) agreed by an all-reduce MAX over `group` (one .item() per
+    layer call, as documented)."""
     import torch.distributed as dist
-    from deepspeed.runtime.activation_checkpointing.offload_activations import (
-        get_checkpoint_hidden_states_offloading_ctx_manager,
-    )
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
     from transformers.models.qwen3 import modeling_qwen3
 
     def mlp_forward(self, x):
@@ -138,19 +130,47 @@ def setup_alst(model, logits_shard_gib: float = 1.0):
         bs, seqlen, hidden = x.shape
         num_shards = math.ceil(seqlen / hidden)
         tensor = torch.tensor(num_shards, device=x.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         num_shards = tensor.item()
         compute_params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
         return TiledMLP.apply(mlp_forward, self, x, num_shards, compute_params)
 
     modeling_qwen3.Qwen3MLP.forward = tiled_mlp_forward
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    offload_ctx = get_checkpoint_hidden_states_offloading_ctx_manager()
+
+
+def alst_loss_sum(model, hidden, labels, logits_shard_gib: float = 1.0):
+    """Summed fp32 cross-entropy of `hidden` against shifted `labels` through DeepSpeed's TiledFusedLogitsLoss,
+    in shards of ~`logits_shard_gib` GiB of fp32 logits (ArcticTraining's slice size), output_reduction="sum"
+    (the docstring's advice when shards may hold different numbers of valid labels)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
     vocab = model.config.vocab_size
 
     def loss_fn(lm_model, x, y):
         logits = lm_model.lm_head(x).float()
         return F.cross_entropy(logits.view(-1, vocab), y.view(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+    shards = max(1, math.ceil(labels.numel() * vocab * 4 / 2**30 / logits_shard_gib))
+    return TiledFusedLogitsLoss.apply(loss_fn, model, hidden, labels, None, shards, [model.lm_head.weight], "sum")
+
+
+def setup_alst(model, logits_shard_gib: float = 1.0):
+    """DeepSpeed's ALST pieces at sp 1, wired as deepspeed.runtime.sequence_parallel.ulysses_sp documents them.
+
+    - TiledMLP: `install_alst_tiled_mlp`.
+    - TiledFusedLogitsLoss: `alst_loss_sum`, divided by the valid-token count.
+    - HF non-reentrant gradient checkpointing with DeepSpeed's CheckpointHiddenStatesOffload
+      (offload_activations.py): one manager for every step, forward and backward inside it.
+    - cuDNN-first SDPA priority around forward and backward (so the checkpoint recompute agrees).
+    """
+    import deepspeed  # noqa: F401  (accelerator setup)
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager,
+    )
+
+    install_alst_tiled_mlp()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offload_ctx = get_checkpoint_hidden_states_offloading_ctx_manager()
 
     def batch_fn(ids):
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
@@ -159,13 +179,10 @@ def setup_alst(model, logits_shard_gib: float = 1.0):
 
     def fwd_bwd(batch):
         labels = batch["labels"]
-        shards = max(1, math.ceil(labels.numel() * vocab * 4 / 2**30 / logits_shard_gib))
         with _cudnn_first(), offload_ctx:
             hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                  use_cache=False).last_hidden_state
-            loss_sum = TiledFusedLogitsLoss.apply(loss_fn, model, hidden, labels, None, shards,
-                                                  [model.lm_head.weight], "sum")
-            loss = loss_sum / (labels != IGNORE_INDEX).sum()
+            loss = alst_loss_sum(model, hidden, labels, logits_shard_gib) / (labels != IGNORE_INDEX).sum()
             loss.backward()
         return loss
 

@@ -1,8 +1,9 @@
-"""Run a test body on N gloo ranks in fresh processes and collect what each rank returns.
+"""Run a test body on N ranks in fresh processes and collect what each rank returns.
 
 The body must be a module-level function `fn(rank, world_size, *args)`; it runs after
-`torch.distributed` is initialised with the gloo backend and its return value (picklable)
-comes back as `results[rank]`. A failure on any rank fails the test with that rank's traceback.
+`torch.distributed` is initialised (gloo unless `backend="nccl"`, which also binds rank r to GPU r)
+and its return value (picklable) comes back as `results[rank]`. A failure on any rank fails the test
+with that rank's traceback.
 """
 
 import os
@@ -21,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -33,7 +34,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     # Two CI cores shared by up to four ranks: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain pickle bytes: torch's queue pickler would pass tensors as shared-memory handles
         # that vanish when this process exits.
@@ -45,12 +48,12 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size, *args, timeout=600):
+def run_distributed(fn, world_size, *args, timeout=600, backend="gloo"):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue))
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue, backend))
         for rank in range(world_size)
     ]
     for p in procs:
