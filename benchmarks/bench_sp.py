@@ -20,7 +20,7 @@ timed step also pays those first-time costs). Step time is the slowest rank's; p
 
   ours  ulysses_lc.SequenceParallelCausalLM over ParallelLayout.build(sp), batches from shard_batch, every lever
         on (kernel "auto": cuDNN first on Hopper, head groups "auto"), and the memory plan the training path
-        uses (training._memory_plan: free device and host memory, minimum over ranks), set before the first step.
+        uses (memory.plan_step_memory: free device and host memory, minimum over ranks), set before the first step.
   alst  DeepSpeed's sequence-parallel path as deepspeed/runtime/sequence_parallel/ulysses_sp.py and
         ArcticTraining's SFTTrainer.loss wire it: UlyssesSPAttentionHF.register_with_transformers(model, "sdpa"),
         batches sharded by UlyssesSPDataLoaderAdapter, the TiledMLP monkey patch, TiledFusedLogitsLoss over
@@ -40,6 +40,7 @@ GB are 1e9 bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -98,10 +99,10 @@ def _ds_config(dev, extra=None) -> dict:
 class ExchangeProfile:
     """Timers around each Ulysses exchange and each attention kernel call of a step, by phase.
 
-    Installed on ulysses_lc.attention's autograd Functions and kernel table for the profiled step only (the
-    library is not edited): the q/k/v exchange (_QKVSeqToHeads: one all-to-all for the three, and one back
-    in backward), the output exchange (_SeqAllToAll) and the explicit attention kernel's forward and backward
-    (attention._EXPLICIT, what the kept-output and head-group paths call). A forward-direction call made while
+    Installed on ulysses_lc.exchange's autograd Functions and ulysses_lc.kernels' table for the profiled step
+    only (the library is not edited): the q/k/v exchange (_QKVSeqToHeads: one all-to-all for the three, and
+    one back in backward), the output exchange (_SeqAllToAll) and the explicit attention kernel's forward and
+    backward (kernels._EXPLICIT, what the kept-output and head-group paths call). A forward-direction call made while
     the loss's backward runs is the checkpoint recompute. On CUDA the timers are CUDA events on the stream the
     call runs on (the compute stream), so an exchange's time is what the step waits for it: packing copies,
     NCCL's all-to-all and waiting for the peer rank. On CPU they are wall-clock.
@@ -136,17 +137,17 @@ class ExchangeProfile:
         return wrapper
 
     def install(self):
-        from ulysses_lc import attention
+        from ulysses_lc import attention, exchange, kernels
 
-        for what, cls in (("exchange_qkv", attention._QKVSeqToHeads), ("exchange_out", attention._SeqAllToAll)):
+        for what, cls in (("exchange_qkv", exchange._QKVSeqToHeads), ("exchange_out", exchange._SeqAllToAll)):
             for method in ("forward", "backward"):
                 original = cls.__dict__[method]
                 setattr(cls, method, staticmethod(self._timed(what, original.__func__, method == "backward")))
                 self._undo.append(lambda cls=cls, method=method, original=original: setattr(cls, method, original))
-        for backend, (fwd, bwd) in list(attention._EXPLICIT.items()):
-            attention._EXPLICIT[backend] = (self._timed("attention_kernel", fwd, False),
-                                            self._timed("attention_kernel", bwd, True))
-            self._undo.append(lambda b=backend, pair=(fwd, bwd): attention._EXPLICIT.__setitem__(b, pair))
+        for backend, (fwd, bwd) in list(kernels._EXPLICIT.items()):
+            kernels._EXPLICIT[backend] = (self._timed("attention_kernel", fwd, False),
+                                          self._timed("attention_kernel", bwd, True))
+            self._undo.append(lambda b=backend, pair=(fwd, bwd): kernels._EXPLICIT.__setitem__(b, pair))
         original_causal = attention.causal_attention
         # The fallback through F.scaled_dot_product_attention: its forward only (autograd runs its backward).
         attention.causal_attention = self._timed("attention_fallback_fwd", original_causal, False)
@@ -184,7 +185,7 @@ def setup_ours(model, sp: int, seq: int, dev, rec: dict):
     import deepspeed
 
     from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, check_deepspeed_config, shard_batch
-    from ulysses_lc.training import TrainConfig, _memory_plan
+    from ulysses_lc.memory import plan_step_memory
 
     layout = ParallelLayout.build(sp)
     num_params = sum(p.numel() for p in model.parameters())
@@ -194,9 +195,10 @@ def setup_ours(model, sp: int, seq: int, dev, rec: dict):
     engine, *_ = deepspeed.initialize(model=wrapper, optimizer=optimizer, config=config, mpu=layout.mpu)
     engine.train()
     # Exactly the training path's plan (train() calls it right after deepspeed.initialize, as here).
-    plan = _memory_plan(TrainConfig(seq_len=seq, sp_size=sp), model.config, -(-seq // sp), dev, num_params, layout)
-    wrapper.checkpointing.configure(*plan)
-    rec["plan"] = plan._asdict()
+    plan = plan_step_memory(wrapper.shape, seq, layout, dev, kernel=wrapper.attention.kernel,
+                            reserved_bytes=8 * num_params // layout.world_size)
+    wrapper.use_plan(plan)
+    rec["plan"] = dataclasses.asdict(plan)
     vocab = model.config.vocab_size
 
     def batch_fn(ids):

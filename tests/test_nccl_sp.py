@@ -46,10 +46,10 @@ def _build(device, dtype):
 
 def _step(sp_size, input_ids, device, dtype):
     """(loss, {name: fp32 gradient}, host bytes offloaded) of one forward and backward at sp_size."""
-    from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
+    from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
 
     layout = ParallelLayout.build(sp_size)
-    model = SequenceParallelCausalLM(_build(device, dtype), layout, keep_on_gpu=0, cache_attention_layers=1,
+    model = SequenceParallelCausalLM(_build(device, dtype), layout, plan=MemoryPlan(2, 0, 1),
                                      attention_head_groups=2, min_offload_bytes=0)
     batch = shard_batch(input_ids, layout, vocab_size=VOCAB).to(device)
     loss = model(**batch.as_kwargs())
