@@ -49,6 +49,17 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 
 
 def run_distributed(fn, world_size, *args, timeout=600, backend="gloo"):
+    # The free port is found, closed, then bound again by rank 0: another process (a test suite running beside
+    # this one) can take it in between. Only that failure is retried, on a new port.
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout, backend)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def _run_once(fn, world_size, args, timeout, backend):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
