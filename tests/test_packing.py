@@ -116,7 +116,7 @@ def _per_document_reference(q, k, v, bounds):
 def _attention_and_grads(fn, q, k, v):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
-    out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[2])[:, None])
+    out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[2], device=out.device)[:, None])
     return out.detach(), q.grad, k.grad, v.grad
 
 

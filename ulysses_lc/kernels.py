@@ -76,13 +76,14 @@ def causal_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str = "sdpa", drop
     return out_bshd.transpose(1, 2)
 
 
-# Packed documents. One kernel call per document computes the block diagonal's FLOPs only, each call the kernel's
-# own causal case (cuDNN first on Hopper): on an H200 a 256k-token step as 8k documents ran in 0.20x the time of
-# one 256k sequence (BENCHMARKS.md I). Many short documents pay a launch and a poorly filled kernel each (1k
-# documents: 0.01 of the single-document rate), so below DOCUMENT_VARLEN_TOKENS per document, on CUDA, one
-# variable-length flash call (torch.nn.attention.varlen) takes them all. Runs of equal-length documents go to the
-# per-document kernel as one batched call.
-DOCUMENT_VARLEN_TOKENS = 4096
+# Packed documents. One kernel call per run of equal-length documents (the run batched) computes the block
+# diagonal's FLOPs only, each call the kernel's own causal case (cuDNN first on Hopper). Measured on an H200 at 256k
+# tokens, fwd+bwd, rate against one 256k call on the FLOPs needed (BENCHMARKS.md I): equal lengths 0.96-1.05 from
+# 4k to 32k per document (one batched call); mixed lengths, one call each, 0.99 / 0.82 / 0.49 / 0.18 / 0.01 at
+# 32k / 16k / 8k / 4k / 1k, where one variable-length flash call (torch.nn.attention.varlen) over them all holds
+# 0.62 / 0.60 / 0.55 / 0.48 / 0.26. So on CUDA the calls the loop would make decide: fewer than
+# DOCUMENT_VARLEN_TOKENS tokens per call on average and varlen takes the sequence.
+DOCUMENT_VARLEN_TOKENS = 12288
 DOCUMENT_KERNELS = ("auto", "loop", "varlen")
 
 
@@ -92,21 +93,21 @@ def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "s
     whole sequence (bounds start at 0 and end at s); returns [b, h, s, d]. Exact on any kernel.
 
     how: "loop" (one call per run of equal-length documents, `causal_attention`), "varlen" (one
-    variable-length call, CUDA, SDPA kernels), "auto" (varlen where it is available and the documents are
-    shorter than DOCUMENT_VARLEN_TOKENS on average, else loop). Kept outputs and head groups are not used
+    variable-length call, CUDA, SDPA kernels), "auto" (varlen where it is available and the loop's calls would
+    average fewer than DOCUMENT_VARLEN_TOKENS tokens, else loop). Kept outputs and head groups are not used
     here: a document's backward block is its own length's."""
     if how not in DOCUMENT_KERNELS:
         raise ValueError(f"how={how!r}: pick one of {DOCUMENT_KERNELS}.")
-    documents = len(bounds) - 1
-    short = (bounds[-1] - bounds[0]) / max(documents, 1) < DOCUMENT_VARLEN_TOKENS
+    runs = _equal_runs(bounds)
+    short = (bounds[-1] - bounds[0]) / len(runs) < DOCUMENT_VARLEN_TOKENS
     varlen_ok = q_bhsd.is_cuda and not dropout and kernel in _KEPT_BACKENDS and _varlen_attn() is not None
-    if how == "varlen" or (how == "auto" and short and varlen_ok and documents > 1):
+    if how == "varlen" or (how == "auto" and short and varlen_ok and len(runs) > 1):
         if not varlen_ok:
             raise ValueError("how='varlen' needs CUDA, an SDPA kernel, no attention dropout and "
                              "torch.nn.attention.varlen; use how='loop'.")
         return _varlen_documents(q_bhsd, k_bhsd, v_bhsd, bounds, scaling)
     outs = []
-    for a, b, n in _equal_runs(bounds):
+    for a, b, n in runs:
         if n == 1:
             outs.append(causal_attention(q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b], scaling, kernel, dropout))
         else:  # n documents of one length: one call with them along the batch dim
