@@ -107,3 +107,57 @@ def test_trainer_checkpoint_resumes_the_same_trajectory(tmp_path):
     assert len(full) == 4 and len(resumed) == 4
     for a, b in zip(resumed[2:], full[2:]):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (resumed, full)
+
+
+REFUSALS = [
+    (dict(deepspeed=None), "ZeRO-3"),
+    (dict(use_liger_kernel=True), "use_liger_kernel"),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+    (dict(per_device_train_batch_size=2), "per_device_train_batch_size"),
+    (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+]
+
+
+@pytest.mark.parametrize("overrides,words", REFUSALS)
+def test_trainer_settings_refused(overrides, words):
+    from types import SimpleNamespace
+
+    from ulysses_lc.hf_trainer import check_trainer_setup
+
+    args = SimpleNamespace(**{**dict(deepspeed=DS, per_device_train_batch_size=1), **overrides})
+    with pytest.raises(ValueError, match=words):
+        check_trainer_setup(args, None, {})
+
+
+def test_logits_losses_and_trl_settings_refused():
+    from types import SimpleNamespace
+
+    from ulysses_lc.hf_trainer import check_trainer_setup
+
+    args = SimpleNamespace(deepspeed=DS)
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        check_trainer_setup(args, None, {"compute_loss_func": lambda *a, **k: 0})
+    with pytest.raises(ValueError, match="compute_metrics"):
+        check_trainer_setup(args, None, {"compute_metrics": lambda p: {}})
+    with pytest.raises(ValueError, match="loss_type"):
+        check_trainer_setup(SimpleNamespace(deepspeed=DS, loss_type="dft"), None, {})
+    with pytest.raises(ValueError, match="wrapped"):
+        check_trainer_setup(SimpleNamespace(deepspeed=DS, packing=True, packing_strategy="wrapped"), None, {})
+    with pytest.raises(ValueError, match="parallelism_config"):
+        check_trainer_setup(SimpleNamespace(deepspeed=DS, parallelism_config=SimpleNamespace(sp_size=2)), None, {})
+    with pytest.raises(ValueError, match="load_model_for_length"):
+        check_trainer_setup(args, build("qwen3"), {}, seq_len=1 << 20)
+
+
+def test_packed_positions_become_document_lengths():
+    from ulysses_lc import ParallelLayout
+    from ulysses_lc.hf_trainer import ShardingCollator
+
+    # TRL's padding_free/packing collator: positions restart per document, the first label of each is ignored.
+    def collate(examples):
+        return {"input_ids": torch.tensor([examples[0]["input_ids"]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+
+    batch = ShardingCollator(collate, ParallelLayout(2, 2, 0), VOCAB, 0)([{"input_ids": [5, 6, 7, 8, 9, 10]}])
+    assert batch["cu_seqlens"] == (0, 3, 6)
+    assert batch["position_ids"].tolist() == [[0, 1, 2]]
+    assert batch["labels"].tolist() == [[6, 7, -100]]  # the document's last token predicts nothing
