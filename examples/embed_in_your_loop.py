@@ -16,11 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, apply_yarn, check_deepspeed_config, shard_batch
+from ulysses_lc.launch import init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 
 SEQ_LEN = 4096
 
-deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+init_distributed()  # deepspeed, torchrun, accelerate launch or plain python
 layout = ParallelLayout.build(sp_size=torch.distributed.get_world_size())
 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

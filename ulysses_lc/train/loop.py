@@ -20,6 +20,7 @@ import torch
 from ..attention import check_model_for_ulysses
 from ..data import build_token_stream, check_source
 from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
+from ..launch import init_distributed
 from ..layout import ParallelLayout
 from ..memory import MemoryPlan, plan_step_memory
 from ..metrics import StepLogger, measure_peak_bf16_tflops, model_flops_per_step
@@ -45,7 +46,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
 
     cfg.check()
     ds_raw = load_deepspeed_config(cfg.ds_config)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_distributed()  # any launcher, or one process under plain python
     world = torch.distributed.get_world_size()
     sp_size = cfg.sp_size or world
     layout = ParallelLayout.build(sp_size)  # ValueError when world is not divisible

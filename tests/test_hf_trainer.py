@@ -1,0 +1,163 @@
+"""The Hugging Face Trainer and TRL's SFTTrainer through ulysses_lc.hf_trainer, on 2 gloo ranks.
+
+SP=2 against SP=1 through the same Trainer: the first step's loss (1e-5 relative) and every gradient as ZeRO-3
+reduced it (1e-4 relative norm), the logged losses; `evaluate()` against the plain model's loss; a Trainer
+checkpoint resumed to the same trajectory; and each refusal at construction.
+"""
+
+import pytest
+import torch
+
+from tests._dist import run_distributed
+from tests.models import VOCAB, build
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+DS = {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
+      "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+      "steps_per_print": 1000}
+
+
+def sequences(n=4, seq_len=64):
+    return torch.randint(0, VOCAB, (n, seq_len), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def training_args(out, steps, **overrides):
+    from transformers import TrainingArguments
+
+    kwargs = dict(output_dir=out, deepspeed=DS, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                  max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                  lr_scheduler_type="constant", disable_tqdm=True, use_cpu=True)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def first_step_grads(record):
+    """Patch the engine's step (test only) to keep the first step's full gradients, as ZeRO-3 reduced them."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import safe_get_full_grad
+
+    original = DeepSpeedEngine.step
+
+    def step(engine, *args, **kwargs):
+        if "grads" not in record:  # collective: every rank gathers every gradient
+            record["grads"] = {n.replace(".mlp.mlp.", ".mlp."): safe_get_full_grad(p).clone()
+                               for n, p in engine.module.named_parameters()}
+        return original(engine, *args, **kwargs)
+
+    DeepSpeedEngine.step = step
+
+
+def trainer_worker(rank, world, sp_size, out, steps, mode):
+    import datasets
+
+    from ulysses_lc.hf_trainer import UlyssesTrainer
+
+    ds = datasets.Dataset.from_dict({"input_ids": sequences()})
+    record = {}
+    if mode == "grads":
+        first_step_grads(record)
+    save = dict(save_strategy="steps", save_steps=2) if mode == "save" else {}
+    trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(out, steps, **save), train_dataset=ds,
+                             eval_dataset=ds.select(range(2)), sp_size=sp_size)
+    if mode == "eval":
+        return trainer.evaluate()["eval_loss"]
+    trainer.train(resume_from_checkpoint=f"{out}/checkpoint-2" if mode == "resume" else None)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, record.get("grads")
+
+
+def plain_losses():
+    model = build("qwen3").eval()
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([s]), labels=torch.tensor([s])).loss.item() for s in sequences()]
+
+
+def assert_grads_close(grads, ref):
+    assert grads.keys() == ref.keys()
+    for name, g in ref.items():
+        err = (grads[name] - g).norm() / g.norm().clamp(min=1e-12)
+        assert err <= GRAD_RTOL, f"{name}: relative gradient error {err:.2e}"
+
+
+def test_trainer_sp2_equals_sp1(tmp_path):
+    (single,) = run_distributed(trainer_worker, 1, 1, str(tmp_path / "sp1"), 3, "grads")
+    parallel = run_distributed(trainer_worker, 2, 2, str(tmp_path / "sp2"), 3, "grads")
+    # The first logged loss is the first sequence's, the plain model's at the initial weights (sampler order:
+    # DistributedSampler with one DP rank and the Trainer's seed, the same on both sides).
+    for losses, grads in parallel:
+        assert len(losses) == 3 and losses[0] != losses[-1]
+        for a, b in zip(losses, single[0]):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), (losses, single[0])
+        assert_grads_close(grads, single[1])
+    assert any(abs(single[0][0] - p) <= LOSS_RTOL * p for p in plain_losses())
+
+
+def test_trainer_evaluate_is_the_plain_loss(tmp_path):
+    ref = sum(plain_losses()[:2]) / 2
+    for loss in run_distributed(trainer_worker, 2, 2, str(tmp_path), 1, "eval"):
+        assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
+
+
+def test_trainer_checkpoint_resumes_the_same_trajectory(tmp_path):
+    out = str(tmp_path)
+    full, _ = run_distributed(trainer_worker, 2, 2, out, 4, "save")[0]
+    resumed, _ = run_distributed(trainer_worker, 2, 2, out, 4, "resume")[0]
+    # The resumed state carries the first two steps' log; the last two are trained after the resume.
+    assert len(full) == 4 and len(resumed) == 4
+    for a, b in zip(resumed[2:], full[2:]):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), (resumed, full)
+
+
+REFUSALS = [
+    (dict(deepspeed=None), "ZeRO-3"),
+    (dict(use_liger_kernel=True), "use_liger_kernel"),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+    (dict(per_device_train_batch_size=2), "per_device_train_batch_size"),
+    (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+]
+
+
+@pytest.mark.parametrize("overrides,words", REFUSALS)
+def test_trainer_settings_refused(overrides, words):
+    from types import SimpleNamespace
+
+    from ulysses_lc.hf_trainer import check_trainer_setup
+
+    args = SimpleNamespace(**{**dict(deepspeed=DS, per_device_train_batch_size=1), **overrides})
+    with pytest.raises(ValueError, match=words):
+        check_trainer_setup(args, None, {})
+
+
+def test_logits_losses_and_trl_settings_refused():
+    from types import SimpleNamespace
+
+    from ulysses_lc.hf_trainer import check_trainer_setup
+
+    args = SimpleNamespace(deepspeed=DS)
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        check_trainer_setup(args, None, {"compute_loss_func": lambda *a, **k: 0})
+    with pytest.raises(ValueError, match="compute_metrics"):
+        check_trainer_setup(args, None, {"compute_metrics": lambda p: {}})
+    with pytest.raises(ValueError, match="loss_type"):
+        check_trainer_setup(SimpleNamespace(deepspeed=DS, loss_type="dft"), None, {})
+    with pytest.raises(ValueError, match="wrapped"):
+        check_trainer_setup(SimpleNamespace(deepspeed=DS, packing=True, packing_strategy="wrapped"), None, {})
+    with pytest.raises(ValueError, match="parallelism_config"):
+        check_trainer_setup(SimpleNamespace(deepspeed=DS, parallelism_config=SimpleNamespace(sp_size=2)), None, {})
+    with pytest.raises(ValueError, match="load_model_for_length"):
+        check_trainer_setup(args, build("qwen3"), {}, seq_len=1 << 20)
+
+
+def test_packed_positions_become_document_lengths():
+    from ulysses_lc import ParallelLayout
+    from ulysses_lc.hf_trainer import ShardingCollator
+
+    # TRL's padding_free/packing collator: positions restart per document, the first label of each is ignored.
+    def collate(examples):
+        return {"input_ids": torch.tensor([examples[0]["input_ids"]]), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+
+    batch = ShardingCollator(collate, ParallelLayout(2, 2, 0), VOCAB, 0)([{"input_ids": [5, 6, 7, 8, 9, 10]}])
+    assert batch["cu_seqlens"] == (0, 3, 6)
+    assert batch["position_ids"].tolist() == [[0, 1, 2]]
+    assert batch["labels"].tolist() == [[6, 7, -100]]  # the document's last token predicts nothing

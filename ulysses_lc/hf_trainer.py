@@ -1,0 +1,361 @@
+"""Train through Hugging Face's `Trainer` or TRL's `SFTTrainer`: one class swap, the script stays a Trainer script.
+
+    from ulysses_lc.hf_trainer import UlyssesTrainer, ulysses_trainer
+    trainer = UlyssesTrainer(model=model, args=TrainingArguments(..., deepspeed="ds_configs/zero3.json"),
+                             train_dataset=ds, data_collator=collator, sp_size=2, seq_len=131072)
+    trainer = ulysses_trainer(SFTTrainer)(model=model, args=SFTConfig(..., deepspeed=...), ...)   # TRL
+
+What the subclass changes, each through the Trainer's own overridable methods:
+  - the model: after the parent's __init__ (which TRL uses to prepare the model and the dataset) the HF model is
+    wrapped in `SequenceParallelCausalLM` (Ulysses attention, chunked loss, tiled MLP, offloaded checkpoints);
+  - the data: one sampler per DP rank (every rank of an SP group reads the SAME sequence), batches of one
+    sequence, sharded on the host by `shard_batch` in the collate function (`ShardingCollator`); packed
+    documents (a `document_lengths` column, or position ids restarting per document, as TRL's packing and
+    padding_free produce) train as separate documents;
+  - DeepSpeed: `deepspeed.initialize` gets `layout.mpu` (accelerate passes an mpu only on its own sequence-parallel
+    path, which would install DeepSpeed's attention; so for the span of train/evaluate/predict the function is
+    wrapped to add ours, and `train_batch_size` is counted over the DP axis as DeepSpeed then expects);
+  - the memory plan: `memory.plan_step_memory` at the first training step, once ZeRO-3 has allocated its
+    partitions;
+  - the loss: the wrapper's loss, already the mean over the sequence's valid tokens on every SP rank; logs and
+    `evaluate()` average it over ranks, so they report the sequence loss, not sp_size times it.
+
+Loss normalisation: `model_accepts_loss_kwargs` is False, so the Trainer neither computes `num_items_in_batch` nor
+rescales by it (`average_tokens_across_devices` then has nothing to act on); it divides each micro step's loss by
+`gradient_accumulation_steps`. Every sequence therefore weighs the same in an optimizer step, under gradient
+accumulation exactly as across DP ranks (layout.py's gradient contract).
+
+Refused at construction, with the fix (`check_trainer_setup`): no DeepSpeed ZeRO-3 config, accelerate's own
+sequence parallelism, Liger or hub kernels, a loss from logits (compute_loss_func, label smoothing, TRL's dft
+loss, compute_metrics), more than one sequence per device batch, the Trainer's gradient checkpointing, and TRL's
+"wrapped" packing (it cuts documents without boundaries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .attention import check_model_for_ulysses
+from .constants import IGNORE_INDEX
+from .ds_config import check_deepspeed_config
+from .launch import init_distributed
+from .layout import ParallelLayout
+from .memory import plan_step_memory
+from .model import SequenceParallelCausalLM
+from .sharding import shard_batch
+
+logger = logging.getLogger(__name__)
+
+# Columns the sharding collate function reads; the Trainer's column filter keeps them.
+SEQUENCE_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "document_lengths")
+
+
+def _document_lengths_from_positions(position_ids_s: torch.Tensor) -> list[int] | None:
+    """Lengths of the runs of positions restarting at 0 (TRL's packing and padding_free), or None for one run."""
+    starts = (position_ids_s == 0).nonzero().flatten().tolist()
+    if starts == [0] and bool((position_ids_s == torch.arange(len(position_ids_s))).all()):
+        return None
+    if not starts or starts[0] != 0:
+        raise ValueError("position_ids must start at 0 and restart at 0 for each packed document.")
+    return [b - a for a, b in zip(starts, [*starts[1:], len(position_ids_s)])]
+
+
+class ShardingCollator:
+    """The Trainer's collate function, then `shard_batch`: this rank's slice of one whole sequence.
+
+    Runs on the host (in dataloader workers where there are any), where shard_batch's checks cost no device sync.
+    Returns input_ids, labels (shifted), position_ids, and cu_seqlens as a tuple of ints (the Trainer moves
+    tensors to the device; the attention reads the boundaries on the host).
+    layout: only sp_size and sp_rank are read (a group-free copy travels to worker processes).
+    """
+
+    def __init__(self, collator, layout: ParallelLayout, vocab_size: int, pad_token_id: int):
+        self.collator = collator
+        self.layout = ParallelLayout(layout.world_size, layout.sp_size, layout.rank)
+        self.vocab_size = vocab_size
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples):
+        if len(examples) != 1:
+            raise ValueError(f"a batch of {len(examples)} sequences: ulysses_lc trains one sequence per device batch; "
+                             "set per_device_train_batch_size=1 and per_device_eval_batch_size=1.")
+        example = dict(examples[0])
+        lengths = example.pop("document_lengths", None)
+        batch = self.collator([example])
+        input_ids = batch["input_ids"].reshape(1, -1)
+        labels = batch.get("labels")
+        labels = input_ids.clone() if labels is None else labels.reshape(1, -1).clone()
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            mask = mask.reshape(-1)
+            valid = int(mask.sum())
+            if not bool(mask[:valid].all()):
+                raise ValueError("left padding inside a sequence: pad on the right (tokenizer.padding_side='right') "
+                                 "or do not pad (one sequence per batch needs no padding).")
+            labels[:, valid:] = IGNORE_INDEX
+        position_ids = batch.get("position_ids")
+        if lengths is None and position_ids is not None:
+            lengths = _document_lengths_from_positions(position_ids.reshape(-1))
+        sharded = shard_batch(input_ids, self.layout, labels=labels, pad_token_id=self.pad_token_id,
+                              vocab_size=self.vocab_size, document_lengths=lengths)
+        out = {"input_ids": sharded.input_ids, "labels": sharded.labels, "position_ids": sharded.position_ids}
+        if sharded.cu_seqlens is not None:
+            out["cu_seqlens"] = tuple(sharded.cu_seqlens.tolist())
+        return out
+
+
+class _EpochDataLoader(DataLoader):
+    """A DataLoader whose set_epoch reaches its DistributedSampler (the Trainer calls it each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+@contextlib.contextmanager
+def deepspeed_initialize_with_mpu(layout: ParallelLayout):
+    """While inside, `deepspeed.initialize` gets `layout.mpu` and a train_batch_size counted over the DP axis.
+
+    accelerate calls `deepspeed.initialize` itself and passes an mpu only on its own sequence-parallel path
+    (DeepSpeed's attention and dataloader adapter); this is the one call we need to reach. Re-entrant; the
+    original function is back on leaving.
+    """
+    import deepspeed
+
+    original = deepspeed.initialize
+    if getattr(original, "_ulysses_lc_layout", None) is not None:
+        yield
+        return
+
+    def initialize(*args, mpu=None, config=None, config_params=None, **kwargs):
+        if mpu is not None:
+            raise ValueError("deepspeed.initialize got another mpu (accelerate's sequence parallelism?); ulysses_lc "
+                             "brings its own: remove parallelism_config from the TrainingArguments.")
+        ds_config = config if config is not None else config_params
+        if isinstance(ds_config, dict):
+            ds_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
+            ds_config = check_deepspeed_config(ds_config, layout)
+        return original(*args, mpu=layout.mpu, config=ds_config, **kwargs)
+
+    initialize._ulysses_lc_layout = layout
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
+def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None = None) -> None:
+    """Raise ValueError, with the fix, for Trainer settings under which ulysses_lc would train wrong or not at all."""
+    if args is None or not getattr(args, "deepspeed", None):
+        raise ValueError("ulysses_lc trains on DeepSpeed ZeRO-3: pass TrainingArguments(..., deepspeed="
+                         "'ds_configs/zero3.json') (or SFTConfig(..., deepspeed=...)).")
+    pc = getattr(args, "parallelism_config", None)
+    if pc is not None and (getattr(pc, "sp_size", 1) > 1 or getattr(pc, "cp_size", 1) > 1):
+        raise ValueError("parallelism_config asks accelerate for its own sequence/context parallelism, which would "
+                         "install DeepSpeed's attention next to ours; remove parallelism_config and pass sp_size= to "
+                         "the ulysses_lc trainer (or sequence_parallel_size in the DeepSpeed JSON).")
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError("use_liger_kernel=True replaces the loss and kernels ulysses_lc installs (its fused loss "
+                         "and attention do not know the sequence is split); remove it: the chunked loss already "
+                         "avoids the [tokens x vocab] logits.")
+    if getattr(model, "use_kernels", False):
+        raise ValueError("the model was loaded with hub kernels (use_kernels=True), which replace layers ulysses_lc "
+                         "patches; load it without use_kernels.")
+    for key in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
+        if trainer_kwargs.get(key) is not None:
+            raise ValueError(f"{key} needs the [tokens x vocab] logits, which ulysses_lc never builds (the loss is "
+                             f"computed from hidden states in chunks); remove {key}. evaluate() reports the loss.")
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError("label_smoothing_factor is applied by the Trainer to full logits, which ulysses_lc never "
+                         "builds; set it to 0.")
+    if getattr(args, "loss_type", "nll") != "nll":
+        raise ValueError(f"loss_type={args.loss_type!r} weighs tokens by their probability from full logits; "
+                         "ulysses_lc's chunked loss is the plain NLL: set loss_type='nll'.")
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        if getattr(args, key, 1) != 1:
+            raise ValueError(f"{key}={getattr(args, key)}: ulysses_lc trains one whole sequence per device batch "
+                             "(SP ranks share it); set it to 1 and use gradient_accumulation_steps for more.")
+    if getattr(args, "gradient_checkpointing", False):
+        raise ValueError("gradient_checkpointing=True: ulysses_lc checkpoints (and offloads) layers itself, as its "
+                         "memory plan says; set gradient_checkpointing=False.")
+    if getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") == "wrapped":
+        raise ValueError("packing_strategy='wrapped' cuts documents into blocks without boundaries, so documents "
+                         "would attend to each other; use packing_strategy='bfd' (ulysses_lc trains its documents "
+                         "apart, from their position ids).")
+    if seq_len is not None and model is not None:
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        rope_type = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if max_positions is not None and seq_len > max_positions and rope_type == "default":
+            raise ValueError(f"seq_len={seq_len:,} is longer than the model's {max_positions:,} positions and it has "
+                             "no RoPE scaling; load it with ulysses_lc.load_model_for_length(name, seq_len) (YaRN).")
+
+
+def _sp_size_from(args, sp_size: int | None) -> int | None:
+    """sp_size given, else the DeepSpeed JSON's sequence_parallel_size, else None (all ranks)."""
+    if sp_size is not None:
+        return sp_size
+    hf_ds = getattr(args, "hf_deepspeed_config", None)
+    return None if hf_ds is None else hf_ds.config.get("sequence_parallel_size")
+
+
+class UlyssesTrainerMixin:
+    """Trainer methods for ulysses_lc; see the module docstring. Use through `ulysses_trainer(cls)`.
+
+    Extra constructor arguments:
+      sp_size: ranks sharing one sequence (default: the DeepSpeed JSON's sequence_parallel_size, else all ranks).
+      seq_len: the longest sequence the run trains, for the memory plan and the YaRN check (default: TRL's
+        max_length, else the first batch's length, the longest over ranks).
+      levers: keyword arguments for SequenceParallelCausalLM (kernel, chunked_loss, tiled_mlp, offload, ...).
+    """
+
+    def __init__(self, *args, sp_size: int | None = None, seq_len: int | None = None, levers: dict | None = None,
+                 **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        model = kwargs.get("model", args[0] if args else None)
+        seq_len = seq_len or getattr(training_args, "max_length", None)
+        check_trainer_setup(training_args, model if isinstance(model, torch.nn.Module) else None, kwargs, seq_len)
+        init_distributed()
+        super().__init__(*args, **kwargs)
+        if self.accelerator.num_processes != torch.distributed.get_world_size():
+            raise ValueError(f"accelerate sees {self.accelerator.num_processes} process(es) but torch.distributed has "
+                             f"{torch.distributed.get_world_size()}: on CPU pass use_cpu=True in the TrainingArguments "
+                             "(or start with accelerate launch --cpu).")
+        layout = ParallelLayout.build(_sp_size_from(self.args, sp_size))
+        check_deepspeed_config({k: v for k, v in self.args.hf_deepspeed_config.config.items()
+                                if k not in ("train_batch_size", "gradient_accumulation_steps")}, layout)
+        check_model_for_ulysses(self.model.config, layout.sp_size)
+        self.layout = layout
+        self.seq_len = seq_len
+        self.model = self.model_wrapped = SequenceParallelCausalLM(self.model, layout, **(levers or {}))
+        # Our loss is already each sequence's mean: the Trainer must not count or rescale tokens (module docstring).
+        self.model_accepts_loss_kwargs = False
+        self._planned = False
+
+    # -- DeepSpeed gets our mpu wherever the Trainer may initialise it --
+    def train(self, *args, **kwargs):
+        with deepspeed_initialize_with_mpu(self.layout):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with deepspeed_initialize_with_mpu(self.layout):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with deepspeed_initialize_with_mpu(self.layout):
+            return super().predict(*args, **kwargs)
+
+    # -- data: one sampler per DP rank, one sequence per batch, sharded on the host --
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *SEQUENCE_COLUMNS]))
+
+    def _sequence_dataloader(self, dataset, description: str, train: bool) -> DataLoader:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        tokenizer = getattr(self, "processing_class", None)
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+        collate = ShardingCollator(self.data_collator, self.layout, self.model.config.vocab_size,
+                                   pad_id if pad_id is not None else 0)
+        params = dict(batch_size=1, collate_fn=collate, num_workers=self.args.dataloader_num_workers,
+                      pin_memory=self.args.dataloader_pin_memory)
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            if not isinstance(dataset, datasets.IterableDataset):
+                raise ValueError("an IterableDataset other than datasets.IterableDataset: ulysses_lc cannot give each "
+                                 "DP group its own share of it; pass a datasets.Dataset or datasets.IterableDataset.")
+            dataset = datasets.distributed.split_dataset_by_node(dataset, self.layout.dp_rank, self.layout.dp_size)
+            return DataLoader(dataset, **params)
+        sampler = DistributedSampler(dataset, num_replicas=self.layout.dp_size, rank=self.layout.dp_rank,
+                                     shuffle=train, seed=self.args.seed, drop_last=train and self.args.dataloader_drop_last)
+        return _EpochDataLoader(dataset, sampler=sampler, **params)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._sequence_dataloader(self.train_dataset, "training", train=True)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        eval_dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        return self._sequence_dataloader(eval_dataset, "evaluation", train=False)
+
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        return self._sequence_dataloader(test_dataset, "test", train=False)
+
+    # -- the step --
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        if "cu_seqlens" in inputs:
+            inputs["cu_seqlens"] = torch.tensor(inputs["cu_seqlens"], dtype=torch.int32)
+        loss = model(**inputs)
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if not self._planned:
+            self._plan_memory(inputs["input_ids"].shape[1] * self.layout.sp_size)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def _plan_memory(self, batch_len: int) -> None:
+        """memory.plan_step_memory for the longest sequence any rank trains (every rank must plan alike)."""
+        longest = torch.tensor([max(self.seq_len or 0, batch_len)], dtype=torch.int64)
+        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=self.layout.world_group)
+        device = self.args.device
+        num_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
+        wrapper = self.model
+        plan = plan_step_memory(wrapper.shape, int(longest), self.layout, device, kernel=wrapper.attention.kernel,
+                                reserved_bytes=8 * num_params // self.layout.world_size)
+        wrapper.use_plan(plan)
+        self._planned = True
+        if self.layout.rank == 0:
+            logger.info("ulysses_lc memory plan for %d tokens: %s", int(longest), wrapper.checkpointing.report())
+
+    # -- saving: a plain Hugging Face model folder --
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        import os
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        wrapper = self.model
+        if state_dict is None:
+            state_dict = wrapper.state_dict()
+        # Names under the wrapper and the tiled MLP -> the plain model's names.
+        hf_state = {k.removeprefix("model.").replace(".mlp.mlp.", ".mlp."): v for k, v in state_dict.items()}
+        if hf_state:
+            wrapper.model.save_pretrained(output_dir, state_dict=hf_state)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+@functools.lru_cache(maxsize=None)
+def ulysses_trainer(trainer_cls: type) -> type:
+    """A subclass of `trainer_cls` (transformers.Trainer, trl.SFTTrainer, or a subclass of either) that trains with
+    ulysses_lc. Its constructor takes the parent's arguments plus sp_size, seq_len and levers."""
+    return type(f"Ulysses{trainer_cls.__name__}", (UlyssesTrainerMixin, trainer_cls), {})
+
+
+def __getattr__(name: str):
+    # UlyssesTrainer / UlyssesSFTTrainer built on first use: transformers' Trainer and trl import slowly.
+    if name == "UlyssesTrainer":
+        from transformers import Trainer
+
+        return ulysses_trainer(Trainer)
+    if name == "UlyssesSFTTrainer":
+        from trl import SFTTrainer
+
+        return ulysses_trainer(SFTTrainer)
+    raise AttributeError(name)
+
+
+__all__ = ["SEQUENCE_COLUMNS", "ShardingCollator", "UlyssesTrainerMixin", "check_trainer_setup",
+           "deepspeed_initialize_with_mpu", "ulysses_trainer"]

@@ -1,0 +1,53 @@
+"""Start the process group the same way under every launcher: deepspeed, torchrun, accelerate launch, plain python.
+
+Each launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT before the script runs; plain
+`python script.py` sets none of them. `deepspeed.init_distributed` then tries MPI discovery (and stops with
+"No module named 'mpi4py'" where mpi4py is not installed), so here a single process gets its defaults
+instead and MPI discovery stays off: a job started by mpirun goes through `deepspeed --launcher openmpi`, which
+sets the variables too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_defaults() -> bool:
+    """Fill the launcher variables for one process when no launcher set them; True when it did."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return False
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    return True
+
+
+def default_backend() -> str:
+    """nccl where there are GPUs, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise torch.distributed through DeepSpeed, from the launcher's variables or as one process.
+
+    Does nothing when the process group already exists (an accelerate or Trainer script has started it).
+    backend: None picks nccl with GPUs, gloo without.
+    """
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        return
+    single_process_defaults()
+    deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+
+
+__all__ = ["default_backend", "init_distributed", "single_process_defaults"]
