@@ -11,10 +11,11 @@ weights, no network; --data any ulysses_lc.data source (tiny, a folder, a datase
 
 import argparse
 import json
+import time
 
 import datasets
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
 from ulysses_lc import apply_yarn, build_token_stream, load_deepspeed_config, load_model_for_length
 from ulysses_lc.hf_trainer import UlyssesTrainer
@@ -60,7 +61,22 @@ if max(stream.sequence(i).max() for i in range(args.steps + 1)) >= model.config.
     raise ValueError("the tokenizer's ids exceed the model's vocab_size; pass a matching --tokenizer.")
 train = datasets.Dataset.from_dict({"input_ids": [stream.sequence(i).tolist() for i in range(args.steps + 1)]})
 
+class StepTimes(TrainerCallback):
+    """Seconds per optimizer step (device synced), for comparing this path with examples/train_1m.py."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        torch.cuda.synchronize() if gpu else None
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        torch.cuda.synchronize() if gpu else None
+        if state.is_world_process_zero:
+            print(f"step {state.global_step}: {time.perf_counter() - self.t0:.2f} s", flush=True)
+
+
 trainer = UlyssesTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=train.select([0]),
-                         processing_class=tokenizer, sp_size=args.sp_size, seq_len=args.seq_len)
+                         processing_class=tokenizer, sp_size=args.sp_size, seq_len=args.seq_len, callbacks=[StepTimes()])
 trainer.train()
+if trainer.is_world_process_zero():
+    print("memory plan:", trainer.model.plan)
 print(trainer.evaluate())

@@ -307,9 +307,10 @@ class UlyssesTrainerMixin:
 
     def _plan_memory(self, batch_len: int) -> None:
         """memory.plan_step_memory for the longest sequence any rank trains (every rank must plan alike)."""
-        longest = torch.tensor([max(self.seq_len or 0, batch_len)], dtype=torch.int64)
-        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=self.layout.world_group)
         device = self.args.device
+        # On the device: NCCL reduces CUDA tensors only.
+        longest = torch.tensor([max(self.seq_len or 0, batch_len)], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=self.layout.world_group)
         num_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
         wrapper = self.model
         plan = plan_step_memory(wrapper.shape, int(longest), self.layout, device, kernel=wrapper.attention.kernel,
