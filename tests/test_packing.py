@@ -154,3 +154,16 @@ def test_cuda_document_attention_matches_per_document_sdpa(how):
     for a, b in zip(got, want):
         err = (a.float() - b.float()).norm() / b.float().norm()
         assert err < 2e-2, (how, err)
+
+
+def test_packed_plans_no_kept_outputs():
+    # Packed documents run attention per document, which keeps no output for the recompute: the plan must not
+    # reserve (or promise) kept outputs for them.
+    from ulysses_lc import ModelShape
+    from ulysses_lc.memory import plan_step_memory
+
+    shape = ModelShape.from_config(build("qwen3").config)
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    cpu = torch.device("cpu")
+    assert plan_step_memory(shape, 64, layout, cpu, kernel="sdpa").cache_attention_layers == 2
+    assert plan_step_memory(shape, 64, layout, cpu, kernel="sdpa", packed=True).cache_attention_layers == 0

@@ -175,13 +175,15 @@ def measure_free_memory(device: torch.device, layout: ParallelLayout) -> tuple[i
 
 def plan_step_memory(
     shape: ModelShape, seq_len: int, layout: ParallelLayout, device: torch.device, *, kernel: str = "auto",
-    head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0,
+    head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0, packed: bool = False,
 ) -> MemoryPlan:
     """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
     allocated (e.g. AdamW's two fp32 moments before the first step: 8 bytes per parameter over the ranks
     that partition them). Collective on CUDA. Without CUDA: every layer checkpointed and offloaded, attention
-    outputs kept where the kernel allows (on a CPU that only exercises the paths)."""
-    keep_attention = can_keep_attention(shape, kernel)
+    outputs kept where the kernel allows (on a CPU that only exercises the paths). packed: the steps train
+    packed documents, whose attention runs per document (kernels.document_attention): no kept outputs, so none
+    are planned (their memory goes to layers that skip the recompute)."""
+    keep_attention = can_keep_attention(shape, kernel) and not packed
     if device.type != "cuda":
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
     device_free, host_free = measure_free_memory(device, layout)

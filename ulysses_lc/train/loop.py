@@ -178,5 +178,6 @@ def _memory_plan(cfg: TrainConfig, model: SequenceParallelCausalLM, device: torc
     (ZeRO-3's partitions are then allocated); AdamW's two fp32 moments (8 bytes per parameter, partitioned
     over all ranks) come at the first step, so they are reserved."""
     plan = plan_step_memory(model.shape, cfg.seq_len, layout, device, kernel=model.attention.kernel,
-                            head_groups=cfg.attention_head_groups, reserved_bytes=8 * num_params // layout.world_size)
+                            head_groups=cfg.attention_head_groups, reserved_bytes=8 * num_params // layout.world_size,
+                            packed=cfg.packing)
     return plan.with_overrides(cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
