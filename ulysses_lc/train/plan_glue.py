@@ -41,20 +41,30 @@ def memory_plan(cfg, model_config, seq_local: int, device: torch.device, num_par
     Without CUDA: checkpoint and offload everything, attention outputs included (on a CPU that only
     exercises the paths).
     """
-    layers = model_config.num_hidden_layers
     if device.type != "cuda":
+        return plan_from_free(cfg, model_config, seq_local, None, None, layout.sp_size)
+    import psutil
+
+    # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    free = torch.tensor([torch.cuda.mem_get_info(device)[0], psutil.virtual_memory().available // local_ranks],
+                        dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
+    return plan_from_free(cfg, model_config, seq_local, int(free[0]) - 8 * num_params // layout.world_size,
+                          int(free[1]), layout.sp_size)
+
+
+def plan_from_free(cfg, model_config, seq_local: int, device_free: int | None, host_free: int | None,
+                   sp_size: int) -> MemoryPlan:
+    """The plan for `device_free` / `host_free` bytes per rank (None: no GPU, checkpoint and offload
+    everything), with the flags' overrides. --dry-run calls this with predicted free memory."""
+    layers = model_config.num_hidden_layers
+    if device_free is None:
         plan = MemoryPlan(layers, 0, layers if can_keep_attention(cfg, model_config) else 0)
     else:
-        import psutil
-
-        # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-        free = torch.tensor([torch.cuda.mem_get_info(device)[0], psutil.virtual_memory().available // local_ranks],
-                            dtype=torch.int64, device=device)
-        torch.distributed.all_reduce(free, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
-        plan = plan_activation_memory(model_config, seq_local, int(free[0]) - 8 * num_params // layout.world_size,
-                                      host_free_bytes=int(free[1]), cache_attention=can_keep_attention(cfg, model_config),
-                                      sp_size=layout.sp_size, head_groups=plan_head_groups(cfg, model_config))
+        plan = plan_activation_memory(model_config, seq_local, device_free, host_free_bytes=host_free,
+                                      cache_attention=can_keep_attention(cfg, model_config),
+                                      sp_size=sp_size, head_groups=plan_head_groups(cfg, model_config))
     recompute = cfg.recompute_layers if cfg.recompute_layers is not None else plan.recompute_layers
     keep = cfg.keep_on_gpu if cfg.keep_on_gpu is not None else min(plan.keep_on_gpu, recompute)
     cache = cfg.cache_attention_layers if cfg.cache_attention_layers is not None else plan.cache_attention_layers
