@@ -270,3 +270,20 @@ def test_sigkill_of_a_rank_ends_the_job_and_resume_replays_it(tmp_path):
     for record in replayed:
         if record["step"] in logged:
             np.testing.assert_allclose(record["loss"], logged[record["step"]], rtol=1e-6)
+
+
+def test_resume_on_another_world_or_sp_size_is_refused_with_the_reason(tmp_path, monkeypatch):
+    # ZeRO-3 partitions and the DP split of the data follow the world and SP sizes: a checkpoint of 2 ranks
+    # cannot be loaded by 4, nor sp 2 by sp 1; refused before anything starts.
+    from ulysses_lc.train import preflight
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step2")
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=512, output_dir=str(run), resume=True)
+    (run / "run.json").write_text(json.dumps({"model": "tiny", "seq_len": 512, "data": "tiny", "sp_size": 2, "world_size": 2}))
+    preflight(cfg, 2)  # the same layout resumes
+    with pytest.raises(CheckFailed, match="world_size=2, not 4; resume with the same settings"):
+        preflight(replace(cfg, sp_size=2), 4)
+    with pytest.raises(CheckFailed, match="sp_size=2, not 1"):
+        preflight(replace(cfg, sp_size=1), 2)
