@@ -10,6 +10,7 @@ Each lever is a library call (see examples/embed_in_your_loop.py):
   enable_checkpointing      checkpointing with inputs offloaded to the host    (offload.py)
   install_tiled_mlp         the MLP over sequence tiles                        (tiled_mlp.py)
   SequenceParallelCausalLM  all of the above around a HF model                 (model.py)
+The main job that strings them together (flags, checks, loop, checkpoints, export) is `ulysses_lc.train`.
 """
 
 from .attention import UlyssesAttention, attention_head_groups, check_model_for_ulysses
