@@ -84,6 +84,8 @@ def test_checks_refuse_before_any_heavy_work(tmp_path, monkeypatch):
         "zero3, zero3_offload_optimizer": replace(base, ds_config="zero3.json", output_dir="out"),
         "--keep-checkpoints -1": replace(base, keep_checkpoints=-1, output_dir="out"),
     }
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    cases["pip install 'ulysses_lc[wandb]'"] = replace(base, wandb_project="p", output_dir="out")
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
     cases["pip install 'ulysses_lc[tensorboard]'"] = replace(base, tensorboard=True, output_dir="out")
     for fragment, cfg in cases.items():
@@ -106,7 +108,7 @@ def _runs_worker(rank, world_size, tmp):
     base = TrainConfig(model="tiny", data="tiny", seq_len=512, steps=4, lr=3e-3, cache_dir=f"{tmp}/cache", export=False)
     result = {}
     # Every step saved, two kept.
-    full = train(replace(base, output_dir="full", save_every=1, keep_checkpoints=2))
+    full = train(replace(base, output_dir="full", save_every=1, keep_checkpoints=2, wandb_project="p"))
     result["losses"] = [r["loss"] for r in full]
     result["kept"] = sorted(p.name for p in Path("full/checkpoints").glob("step*"))
 
@@ -138,8 +140,36 @@ def _runs_worker(rank, world_size, tmp):
     return result
 
 
-def test_keep_atomic_save_resume_and_nonfinite_stop(tmp_path):
+FAKE_WANDB = """
+import json, os
+
+def _write(*call):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps(call) + "\\n")
+
+class _Run:
+    def log(self, data, step=None):
+        _write("log", step, data["loss"])
+
+    def finish(self):
+        _write("finish")
+
+def init(**kwargs):
+    _write("init", kwargs["project"], kwargs["name"])
+    return _Run()
+"""
+
+
+def test_keep_atomic_save_resume_nonfinite_stop_and_wandb(tmp_path, monkeypatch):
+    # A stand-in wandb package (the real one is an optional extra); spawned ranks inherit this sys.path.
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "wandb.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_WANDB_LOG", str(tmp_path / "wandb.jsonl"))
     result = run_distributed(_runs_worker, 2, str(tmp_path))[0]
+    calls = [json.loads(line) for line in (tmp_path / "wandb.jsonl").read_text().splitlines()]
+    assert calls[0] == ["init", "p", "full"] and calls[-1] == ["finish"]  # rank 0 only: one run
+    assert [c[2] for c in calls[1:-1]] == result["losses"] and [c[1] for c in calls[1:-1]] == [1, 2, 3, 4]
     assert result["kept"] == ["step3", "step4"]
     assert result["latest_after_crash"] == "step2"  # not the half-written step4
     assert len(result["resumed"]) == 2

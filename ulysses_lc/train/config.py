@@ -45,6 +45,7 @@ class TrainConfig:
     attention_head_groups: int | str = "auto"  # the attention kernel over this many kv-head groups
     cache_dir: str | None = None
     tensorboard: bool = False
+    wandb_project: str | None = None  # also report to Weights & Biases, in this project
     export: bool = True
     dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
     world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
@@ -137,12 +138,14 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")
+    p.add_argument("--wandb", dest="wandb_project", metavar="PROJECT",
+                   help="also report each step to Weights & Biases in PROJECT (pip install 'ulysses_lc[wandb]')")
     p.add_argument("--no-export", dest="export", action="store_false", help="skip the final HF export")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check and print the memory plan and predicted GPU and host memory per rank; "
                         "loads no weights and touches no GPU")
     p.add_argument("--world-size", type=int, help="--dry-run: GPUs to plan for (default: this launch's)")
-    p.add_argument("--gpu-memory-gb", type=float, help="--dry-run: memory per GPU (default: this GPU's, else 141, an H200)")
+    p.add_argument("--gpu-memory-gb", type=float, help="--dry-run: memory per GPU (default 149, an H200)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

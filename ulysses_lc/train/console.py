@@ -17,10 +17,25 @@ class RunLogger(StepLogger):
     """StepLogger whose line prints "-" for figures that do not apply (TFLOPS and memory without a GPU), and
     whose progress bar is only drawn on a terminal (in a log file it would interleave with the step lines)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, wandb_run=None, **kwargs):
+        """wandb_run: a started `wandb.init(...)` run (rank 0) that also receives every step's numbers."""
         stream = kwargs.get("stream") or sys.stdout
         kwargs.setdefault("progress", stream.isatty())
         super().__init__(*args, **kwargs)
+        self._wandb = wandb_run
+
+    def log(self, step: int, **values) -> dict | None:
+        record = super().log(step, **values)
+        if record is not None and self._wandb is not None:
+            numbers = {k: v for k, v in record.items() if k not in ("step", "total_steps", "time") and isinstance(v, (int, float))}
+            self._wandb.log(numbers, step=step)
+        return record
+
+    def close(self) -> None:
+        super().close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     @staticmethod
     def format_line(r: dict) -> str:

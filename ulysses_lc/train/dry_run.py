@@ -35,6 +35,6 @@ def dry_run(cfg: TrainConfig) -> str:
             "nothing was loaded")
 
 
-DEFAULT_GPU_GB = 141.0  # an H200, what the benchmarks ran on
+DEFAULT_GPU_GB = 149.0  # an H200: 139 GiB usable as torch reports it (BENCHMARKS.md), what the benchmarks ran on
 # CUDA context, NCCL buffers and the allocator's own blocks, which the planner does not see: an allowance.
 CONTEXT_BYTES = 2 * 10**9

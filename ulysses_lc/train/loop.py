@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -114,6 +116,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     with RunLogger(
         out, cfg.steps, tokens_per_step=cfg.seq_len * layout.dp_size, world_size=sp_size, flops=flops,
         peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=cfg.tensorboard,
+        wandb_run=_start_wandb(cfg, out) if rank0 and cfg.wandb_project else None,
     ) as step_logger:
         for step in range(start_step, cfg.steps):
             # DP group j takes window position + j; the position then moves past all DP groups' windows.
@@ -171,6 +174,15 @@ def _agree_on_new_run_dir(model: str, layout: ParallelLayout) -> Path:
     name = [str(new_run_dir(model)) if layout.rank == 0 else None]
     torch.distributed.broadcast_object_list(name, src=0, group=layout.world_group)
     return Path(name[0])
+
+
+def _start_wandb(cfg: TrainConfig, out: Path):
+    import wandb
+
+    # One W&B run per run directory: a resumed run continues it (its id is the directory's name).
+    run_id = re.sub(r"[^\w-]", "-", out.name)  # W&B ids take letters, digits, '-' and '_'
+    return wandb.init(project=cfg.wandb_project, name=out.name, id=run_id, resume="allow", dir=str(out),
+                      config=asdict(cfg))
 
 
 def _pad_id(tokenizer) -> int:

@@ -68,6 +68,11 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
         except ImportError as e:
             raise ValueError(f"--tensorboard needs the tensorboard package ({e}); pip install 'ulysses_lc[tensorboard]' "
                              "or drop --tensorboard.") from e
+    if cfg.wandb_project:
+        try:
+            importlib.import_module("wandb")
+        except ImportError as e:
+            raise ValueError(f"--wandb needs the wandb package ({e}); pip install 'ulysses_lc[wandb]' or drop --wandb.") from e
     parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
