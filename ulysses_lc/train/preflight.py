@@ -24,6 +24,13 @@ from .config import TrainConfig
 from .loading import load_model_config
 
 
+# (flag, its TrainConfig field, the module it imports, the pyproject extra that installs it)
+OPTIONAL_PACKAGES = (
+    ("--tensorboard", "tensorboard", "torch.utils.tensorboard", "tensorboard"),
+    ("--wandb", "wandb_project", "wandb", "wandb"),
+)
+
+
 class CheckFailed(ValueError):
     """A user mistake found before any collective, the same on every rank; the message names the fix."""
 
@@ -62,17 +69,13 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
     if cfg.seq_len < sp_size:
         raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
     out = None if cfg.dry_run else _check_output(cfg, sp_size, world_size)
-    if cfg.tensorboard:
-        try:
-            importlib.import_module("torch.utils.tensorboard")
-        except ImportError as e:
-            raise ValueError(f"--tensorboard needs the tensorboard package ({e}); pip install 'ulysses_lc[tensorboard]' "
-                             "or drop --tensorboard.") from e
-    if cfg.wandb_project:
-        try:
-            importlib.import_module("wandb")
-        except ImportError as e:
-            raise ValueError(f"--wandb needs the wandb package ({e}); pip install 'ulysses_lc[wandb]' or drop --wandb.") from e
+    for flag, field, module, extra in OPTIONAL_PACKAGES:
+        if getattr(cfg, field):
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ValueError(f"{flag} needs the {extra} package ({e}); pip install 'ulysses_lc[{extra}]' or drop "
+                                 f"{flag}.") from e
     parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
