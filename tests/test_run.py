@@ -334,3 +334,37 @@ def test_main_destroys_the_process_group_at_exit():
     # With NCCL, ranks that exit with their group alive print TCPStore "Failed to recv" warnings (gloo is silent,
     # so this checks the teardown itself).
     assert run_distributed(_main_worker, 2) == [False, False]
+
+
+FAIL_SCRIPT = """
+import sys
+import ulysses_lc.train.launch as launch
+from ulysses_lc.train import CheckFailed
+
+launch.GRACE_S = launch.LOST_PEER_S = 0  # the waits let the launcher stop this rank first; none here
+errors = {"check": CheckFailed("--x is wrong; pass --y"), "bug": KeyError("boom"),
+          "peer": RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")}
+try:
+    raise errors[sys.argv[1]]
+except BaseException as e:
+    launch._fail(e)
+"""
+
+
+@pytest.mark.parametrize("rank,case,expected", [
+    ("0", "check", ["error: --x is wrong; pass --y"]),
+    ("1", "check", []),  # rank 0 reports what every rank found
+    ("1", "bug", ["Traceback", "KeyError: 'boom'", "error (rank 1): 'boom'"]),  # a bug: where it is, then what
+    ("0", "peer", ["error: lost contact with another rank, which failed or was killed"]),  # no collective's traceback
+])
+def test_each_failure_is_reported_by_one_rank_concisely(rank, case, expected):
+    proc = subprocess.run([sys.executable, "-c", FAIL_SCRIPT, case], env={**_env(), "RANK": rank},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "[WARNING]" not in line]
+    if not expected:
+        assert lines == [], lines
+    else:
+        assert lines[0].startswith(expected[0]) and lines[-1].startswith(expected[-1]), lines
+        assert all(any(e in line for line in lines) for e in expected)
+    assert proc.stdout.strip() == "" or "[WARNING]" in proc.stdout

@@ -87,23 +87,22 @@ def _fail(e: BaseException) -> None:
 
     rank = _rank()
     user_error = isinstance(e, (ValueError, NonFiniteError))
+    message = str(e)
     if isinstance(e, CheckFailed):
-        report = rank == 0  # every rank found the same; the others' copies would only repeat it
-    elif _is_lost_peer(e):
-        time.sleep(LOST_PEER_S)  # the failed peer reports; the launcher ends us meanwhile
-        report = True
-    else:
-        if rank != 0:
+        if rank != 0:  # every rank found the same; rank 0 reports it and exits first, named as the first failure
             time.sleep(GRACE_S)
-        report = True
-    if not report:
-        time.sleep(GRACE_S)  # rank 0 reports and exits first, and the launcher names it as the first failure
-        os._exit(1)
+            os._exit(1)
+    elif _is_lost_peer(e):
+        time.sleep(LOST_PEER_S)  # the failed peer reports; the launcher ends this rank meanwhile
+        user_error = True  # the traceback would only show the collective this rank waited in
+        message = f"lost contact with another rank, which failed or was killed (its report, if any, is above): {e}"
+    elif rank != 0:
+        time.sleep(GRACE_S)  # a failure of every rank is reported by rank 0; the launcher ends this one meanwhile
     sys.stdout.flush()
     if not user_error:
         traceback.print_exception(e, file=sys.stderr)
     where = f" (rank {rank})" if rank else ""
-    message = f"error{where}: {e}"
+    message = f"error{where}: {message}"
     print(message, file=sys.stderr, flush=True)
     _record_for_launcher(message if user_error else "".join(traceback.format_exception(e)) + message)
     os._exit(1)
