@@ -182,8 +182,8 @@ def test_keep_atomic_save_resume_nonfinite_stop_and_wandb(tmp_path, monkeypatch)
 
 # -- c, d, e: the command line as a user runs it ------------------------------------------------------------
 
-def _torchrun(args, cwd, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ulysses_lc.train", *args]
+def _torchrun(args, cwd, timeout=240, entry=("-m", "ulysses_lc.train")):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *entry, *args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
@@ -191,7 +191,7 @@ def _torchrun(args, cwd, timeout=240):
 
 def test_failure_is_reported_once_last_and_fast(tmp_path):
     (tmp_path / "a_file").write_text("")
-    proc, seconds = _torchrun(["--output-dir", "a_file"], tmp_path)
+    proc, seconds = _torchrun(["--output-dir", "a_file"], tmp_path, entry=[str(REPO / "examples" / "train_1m.py")])
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert seconds < 60, seconds
