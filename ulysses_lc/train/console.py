@@ -54,6 +54,16 @@ def layout_line(layout) -> str:
             "(sequences per step)")
 
 
+def _plan_reason(cfg, device: str) -> str:
+    flags = [f"--{n.replace('_', '-')}" for n in ("recompute_layers", "keep_on_gpu", "cache_attention_layers")
+             if getattr(cfg, n) is not None]
+    if device != "gpu":
+        why = "no GPU: every layer checkpointed and offloaded, to exercise the paths"
+    else:
+        why = "the fastest plan that fits the free device and host memory (offload.plan_activation_memory)"
+    return why + (f", with {', '.join(flags)} as given" if flags else "")
+
+
 def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str) -> str:
     """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory."""
     rope = getattr(checked.model_config, "rope_parameters", None) or {}
@@ -67,10 +77,11 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
         f"length    {cfg.seq_len:,} tokens per step, {yarn}",
         f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}",
         f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
-        "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, Ulysses all-to-all, activation checkpoints",
+        "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"
+        + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),
         f"plan      {layers - plan.recompute_layers} plain layers, {plan.recompute_layers} checkpointed "
         f"({offloaded} offloaded to host, {plan.keep_on_gpu} kept on {device}), "
-        f"{plan.cache_attention_layers} keep their attention output",
+        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device)}",
         f"memory    per rank, predicted: {device} {estimate.gpu / GB:.1f} GB (ZeRO-3 state {estimate.state_gpu / GB:.1f}, "
         f"activations {estimate.act_gpu / GB:.1f}), host {estimate.host / GB:.1f} GB "
         f"(state {estimate.state_host / GB:.1f}, offloaded activations {estimate.act_host / GB:.1f})",

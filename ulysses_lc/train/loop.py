@@ -97,7 +97,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         logger.info(startup_block(
             out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
             kernel=cfg.kernel, plan=plan, estimate=estimate_memory(cfg, checked, plan, num_params),
-            device=device.type))
+            device="gpu" if device.type == "cuda" else "cpu"))
 
     start_step = 0
     if cfg.resume:
