@@ -3,6 +3,7 @@ the console and --dry-run. Each test fails when its item is undone."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,8 +40,13 @@ def test_ds_config_by_name_from_any_folder(tmp_path, monkeypatch):
 
 def test_wheel_ships_configs_and_finds_them_from_another_folder(tmp_path):
     """A non-editable install (the wheel, unpacked into a target folder) finds its configs by name."""
+    # Built from a copy: setuptools' in-tree build/ folder would otherwise keep stale modules between builds.
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "ulysses_lc", src / "ulysses_lc", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(REPO)], check=True, cwd=tmp_path, capture_output=True)
+                    str(tmp_path / "dist"), str(src)], check=True, cwd=tmp_path, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("ulysses_lc-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"ulysses_lc/configs/{n}.json" for n in CONFIG_NAMES} <= names
