@@ -4,13 +4,11 @@
     deepspeed --num_gpus 2 examples/train_1m.py                       # no GPU: the embedded tiny default
     deepspeed --num_gpus 8 examples/train_1m.py --model ./my-model --data ./books/ --seq-len 524288
 
-The flags, their defaults and the loop are the library's (`ulysses_lc.train`); --help lists them.
+The flags, their defaults, the loop and the failure reporting are the library's (`ulysses_lc.train.main`);
+--help lists the flags, --dry-run sizes a run without loading anything.
 """
 
-import logging
-
-from ulysses_lc.train import parse_args, train
+from ulysses_lc.train import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    train(parse_args())
+    main()

@@ -143,7 +143,7 @@ EXPECTED = {
     "ds_micro_batch": "set it to 1",
     "ds_stage": "use stage 3",
     "ds_sp_size": "sequence_parallel_size=4",
-    "missing_ds_config": "ds_configs/",
+    "missing_ds_config": "zero3, zero3_offload_optimizer, zero3_offload_all",
     "output_dir_taken": "pass --resume",
     "resume_nothing": "drop --resume",
     "model_offline": "--model tiny",
@@ -185,11 +185,11 @@ def test_train_from_local_folder(tmp_path):
 
 
 def test_optimizer_offload_config(tmp_path):
-    # ds_configs/zero3_offload_optimizer.json: DeepSpeed's CPU Adam (built on first use) takes --lr through
+    # The shipped zero3_offload_optimizer config: DeepSpeed's CPU Adam (built on first use) takes --lr through
     # the "auto" optimizer block and follows the same trajectory as torch AdamW under zero3.json.
     base = tiny_config(tmp_path, steps=2, export=False, seq_len=1024)
     plain = losses_of(run_distributed(train_worker, 2, base)[0])
-    offload = replace(base, output_dir=str(tmp_path / "offload"), ds_config="ds_configs/zero3_offload_optimizer.json")
+    offload = replace(base, output_dir=str(tmp_path / "offload"), ds_config="zero3_offload_optimizer")
     offloaded = losses_of(run_distributed(train_worker, 2, offload)[0])
     assert offloaded[0] == plain[0]  # same weights, same data, before any update
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)

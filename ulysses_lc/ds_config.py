@@ -12,16 +12,30 @@ from pathlib import Path
 from .layout import ParallelLayout
 
 
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# The configs shipped in the package (ulysses_lc/configs/<name>.json), found by name from any folder.
+CONFIG_NAMES = ("zero3", "zero3_offload_optimizer", "zero3_offload_all")
+
+
+def deepspeed_config_path(config: str | Path) -> Path:
+    """The file a --ds-config value names: one of `CONFIG_NAMES` (shipped in the package), or a JSON path."""
+    text = str(config)
+    if text in CONFIG_NAMES:
+        return CONFIG_DIR / f"{text}.json"
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"DeepSpeed config {text} does not exist; pass a JSON file or one of the shipped configs by name: "
+            f"{', '.join(CONFIG_NAMES)}."
+        )
+    return path
+
+
 def load_deepspeed_config(config: str | Path | dict) -> dict:
-    """Read a DeepSpeed JSON config (path or dict) into a new dict."""
+    """Read a DeepSpeed JSON config (a shipped name, a path, or a dict) into a new dict."""
     if isinstance(config, dict):
         return json.loads(json.dumps(config))
-    path = Path(config)
-    repo_copy = Path(__file__).resolve().parent.parent / path
-    if not path.is_file() and not path.is_absolute() and repo_copy.is_file():
-        path = repo_copy  # ds_configs/... named from outside the repository checkout
-    if not path.is_file():
-        raise ValueError(f"DeepSpeed config {path} does not exist; pass one of the files in ds_configs/.")
+    path = deepspeed_config_path(config)
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -67,7 +81,7 @@ def check_deepspeed_config(config: dict, layout: ParallelLayout, gradient_accumu
             f"zero_optimization.stage={stage}: ulysses_lc trains on ZeRO-3 only. Under sequence parallelism "
             "DeepSpeed's stage 0-2 gradient reduction divides by the data-parallel size only, which does not "
             "match the sequence-parallel loss, and the tiled MLP's once-per-layer reduction relies on ZeRO-3; "
-            "use stage 3 (see ds_configs/)."
+            "use stage 3 (the shipped configs: zero3, zero3_offload_optimizer, zero3_offload_all)."
         )
     if layout.sp_size > 1 and zero.get("reduce_scatter", True) is False:
         raise ValueError(

@@ -103,17 +103,7 @@ def plan_memory(
     memory (device and host) is planned for (fragmentation, collectives' buffers, the rest of the process).
     """
     layers = shape.layers
-    seq_local = -(-seq_len // sp_size)
-    s_pad = seq_local * sp_size
-    heads_local, kv_local = shape.local_heads(sp_size), shape.local_kv_heads(sp_size)
-    groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
-                                                                             shape.head_dim)
-    block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
-    kept = seq_local * checkpointed_input_bytes_per_token(shape)
-    cached = seq_local * kept_output_bytes_per_token(shape) if keep_attention else 0
-    working = (seq_local * working_set_bytes_per_token(shape) + block + loss_head_bytes(shape, seq_local)
-               + (kept + cached if offload else 0))
-    plain = seq_local * plain_layer_bytes_per_token(shape)
+    working, plain, kept, cached = _layer_bytes(shape, seq_len, sp_size, head_groups, keep_attention, offload)
     avail = device_free_bytes * headroom - working
     if not offload:
         # Every checkpointed input stays on the device. Attention outputs first (a tenth of a plain
@@ -143,6 +133,36 @@ def plan_memory(
             host = host_free_bytes * headroom - offloaded * kept
             n_cache += min(offloaded, int(max(host, 0) // cached))
     return MemoryPlan(recompute, keep, n_cache)
+
+
+def _layer_bytes(shape: ModelShape, seq_len: int, sp_size: int, head_groups, keep_attention: bool, offload: bool):
+    """Per rank: (one layer's working set with the loss head and the prefetched layer, a layer that keeps all
+    its activations, a checkpointed input, a kept attention output)."""
+    seq_local = -(-seq_len // sp_size)
+    s_pad = seq_local * sp_size
+    heads_local, kv_local = shape.local_heads(sp_size), shape.local_kv_heads(sp_size)
+    groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
+                                                                             shape.head_dim)
+    block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
+    kept = seq_local * checkpointed_input_bytes_per_token(shape)
+    cached = seq_local * kept_output_bytes_per_token(shape) if keep_attention else 0
+    working = (seq_local * working_set_bytes_per_token(shape) + block + loss_head_bytes(shape, seq_local)
+               + (kept + cached if offload else 0))
+    return working, seq_local * plain_layer_bytes_per_token(shape), kept, cached
+
+
+def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: int = 1, head_groups: int | str = "auto",
+               offload: bool = True) -> tuple[int, int]:
+    """(device, host) bytes per rank of one step's activations under `plan`, by plan_memory's own terms (before
+    its headroom): what --dry-run predicts."""
+    working, plain, kept, cached = _layer_bytes(shape, seq_len, sp_size, head_groups,
+                                                plan.cache_attention_layers > 0, offload)
+    on_device = plan.keep_on_gpu if offload else plan.recompute_layers
+    cached_on_device = min(plan.cache_attention_layers, on_device)
+    device = (working + (shape.layers - plan.recompute_layers) * plain + on_device * kept
+              + cached_on_device * cached)
+    host = (plan.recompute_layers - on_device) * kept + (plan.cache_attention_layers - cached_on_device) * cached
+    return int(device), int(host)
 
 
 def can_keep_attention(shape: ModelShape, kernel: str) -> bool:
@@ -193,5 +213,5 @@ def plan_step_memory(
     )
 
 
-__all__ = ["MemoryPlan", "can_keep_attention", "measure_free_memory", "plan_memory", "plan_step_memory",
-           "planned_head_groups"]
+__all__ = ["MemoryPlan", "can_keep_attention", "measure_free_memory", "plan_bytes", "plan_memory",
+           "plan_step_memory", "planned_head_groups"]

@@ -5,24 +5,35 @@
   lr_lambda                  warmup then constant / linear / cosine               (schedule.py)
   check_output_dir, ...      output-dir policy, RNG, save and resume              (checkpoint.py)
   export_hf_model            consolidated Hugging Face model at the end           (export.py)
+  preflight                  every cheap check, before any collective            (preflight.py)
+  estimate_memory            predicted GPU and host bytes per rank               (estimate.py)
+  RunLogger, startup_block   what the run prints                                  (console.py)
   train                      the loop                                             (loop.py)
+  dry_run                    checks, plan and predicted memory, nothing loaded    (dry_run.py)
+  main                       the command line, with failures reported once       (launch.py)
 """
 
 from .checkpoint import CHECKPOINT_DIR, RUN_FILE, check_output_dir
 from .config import TINY, TINY_DEFAULTS, TrainConfig, build_parser, parse_args
 from .export import EXPORT_DIR, export_hf_model, gather_state_dict
 from .loading import load_model, load_model_config, load_tokenizer
-from .loop import train
+from .dry_run import dry_run
+from .launch import main
+from .loop import NonFiniteError, train
+from .preflight import CheckFailed, preflight
 from .schedule import lr_lambda
 
 __all__ = [
     "CHECKPOINT_DIR",
+    "CheckFailed",
+    "NonFiniteError",
     "EXPORT_DIR",
     "RUN_FILE",
     "TINY",
     "TINY_DEFAULTS",
     "TrainConfig",
     "build_parser",
+    "dry_run",
     "check_output_dir",
     "export_hf_model",
     "gather_state_dict",
@@ -30,6 +41,8 @@ __all__ = [
     "load_model_config",
     "load_tokenizer",
     "lr_lambda",
+    "main",
     "parse_args",
+    "preflight",
     "train",
 ]

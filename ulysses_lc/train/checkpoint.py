@@ -2,12 +2,21 @@
 
 A checkpoint is DeepSpeed's (model, optimizer, schedule) plus our client state: the step, the token
 stream's position and every RNG, so that --resume continues the uninterrupted trajectory bit for bit.
+
+Run directories: without --output-dir every run gets a new `runs/<model>-<date>-<time>`, so the README's
+commands can be run again as they are (a user who reruns a command expects a new run, not a refusal or an
+overwrite); --resume without --output-dir continues the latest such run that holds a checkpoint.
+Checkpoints are written atomically: DeepSpeed writes a tag's files, every rank finishes, and only then
+does rank 0 point `latest` at it (by rename), so a crash mid-save leaves `latest` on the previous one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +25,8 @@ import torch
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
+RUNS_DIR = Path("runs")
+LATEST = "latest"  # DeepSpeed's name for the file holding the newest complete tag
 
 
 def rng_state() -> dict:
@@ -35,11 +46,33 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_output_dir(cfg, sp_size: int, world_size: int) -> Path:
+def run_name(model: str) -> str:
+    """The stem of a run directory: the model's last path part ('tiny', 'Qwen3-8B')."""
+    return Path(model.rstrip("/")).name or "run"
+
+
+def new_run_dir(model: str) -> Path:
+    """A fresh runs/<model>-<date>-<time> (a suffix when two runs start within one second). Rank 0 only."""
+    stem = RUNS_DIR / f"{run_name(model)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = stem, 1
+    while out.exists():
+        out, n = Path(f"{stem}.{n}"), n + 1
+    return out
+
+
+def find_latest_run(model: str) -> Path:
+    """The newest runs/<model>-* that holds a checkpoint (for --resume without --output-dir)."""
+    runs = sorted(p for p in RUNS_DIR.glob(f"{run_name(model)}-*") if (p / CHECKPOINT_DIR / LATEST).is_file())
+    if not runs:
+        raise ValueError(f"--resume: no run of {run_name(model)} under {RUNS_DIR}/ holds a checkpoint; pass "
+                         "--output-dir of the run to continue, or drop --resume to start a new run.")
+    return max(runs, key=lambda p: (p / CHECKPOINT_DIR / LATEST).stat().st_mtime)
+
+
+def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
     """Refuse to overwrite another run's checkpoints; on --resume, require the same run."""
-    out = Path(cfg.output_dir)
     run_file = out / RUN_FILE
-    has_ckpt = (out / CHECKPOINT_DIR / "latest").exists()
+    has_ckpt = (out / CHECKPOINT_DIR / LATEST).exists()
     if has_ckpt and not cfg.resume:
         raise ValueError(
             f"{out} already holds a checkpoint of a run; pass --resume to continue it, or choose another "
@@ -66,17 +99,46 @@ def write_run_file(out: Path, cfg, sp_size: int, world_size: int) -> None:
     (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), "sp_size": sp_size, "world_size": world_size}, indent=2))
 
 
-def save_checkpoint(engine, out: Path, step: int, stream) -> None:
-    """Collective: model, optimizer and schedule (DeepSpeed) plus step, data position and RNG."""
-    engine.save_checkpoint(
-        str(out / CHECKPOINT_DIR), tag=f"step{step}",
-        client_state={"step": step, "data": stream.state_dict(), "rng": rng_state()},
-    )
+def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0) -> None:
+    """Collective: model, optimizer and schedule (DeepSpeed) plus step, data position and RNG, then `latest`.
+
+    keep: the newest `keep` checkpoints stay, older ones are deleted once `latest` points past them (0: all).
+    """
+    ckpt_dir = out / CHECKPOINT_DIR
+    # DeepSpeed's own `latest` is written by rank 0 as soon as rank 0's files are done, before the other
+    # ranks' are: a crash there leaves `latest` naming a checkpoint with missing shards.
+    engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False,
+                           client_state={"step": step, "data": stream.state_dict(), "rng": rng_state()})
+    torch.distributed.barrier()  # every rank's files are written
+    if torch.distributed.get_rank() == 0:
+        tmp = ckpt_dir / f".{LATEST}.tmp"
+        tmp.write_text(f"step{step}")
+        os.replace(tmp, ckpt_dir / LATEST)  # atomic: `latest` names the old tag or the new one, never half
+        if keep:
+            _prune(ckpt_dir, keep)
+    torch.distributed.barrier()
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (and unfinished tags older than `latest`)."""
+    latest = int((ckpt_dir / LATEST).read_text().removeprefix("step"))
+    steps = sorted(int(p.name[4:]) for p in ckpt_dir.glob("step*") if p.is_dir() and p.name[4:].isdigit())
+    done = [s for s in steps if s <= latest]
+    for s in done[:-keep]:
+        shutil.rmtree(ckpt_dir / f"step{s}", ignore_errors=True)
 
 
 def load_checkpoint(engine, out: Path, stream) -> int:
     """Collective: restore the latest checkpoint into `engine` and `stream`, and the RNG; returns its step."""
     _, client = engine.load_checkpoint(str(out / CHECKPOINT_DIR))
+    if client is None:
+        raise ValueError(f"--resume: the checkpoint {out / CHECKPOINT_DIR} names cannot be read; pass another --output-dir.")
     stream.load_state_dict(client["data"])
     set_rng_state(client["rng"])
     return client["step"]
+
+
+def latest_checkpoint(out: Path) -> str | None:
+    """The path of the newest complete checkpoint of `out`, or None."""
+    latest = out / CHECKPOINT_DIR / LATEST
+    return str(out / CHECKPOINT_DIR / latest.read_text().strip()) if latest.is_file() else None

@@ -36,10 +36,11 @@ class TrainConfig:
     warmup_steps: int = 1
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
-    ds_config: str = "ds_configs/zero3.json"
-    output_dir: str = "runs/train_1m"
+    ds_config: str = "zero3"  # a shipped config by name (ds_config.CONFIG_NAMES) or a JSON path
+    output_dir: str | None = None  # None: a new runs/<model>-<time> per run (the latest one on --resume)
     resume: bool = False
     save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2  # 0: keep every checkpoint
     seed: int = 0
     yarn_factor: float | None = None
     kernel: str = "auto"
@@ -49,7 +50,11 @@ class TrainConfig:
     attention_head_groups: int | str = "auto"  # the attention kernel over this many kv-head groups
     cache_dir: str | None = None
     tensorboard: bool = False
+    wandb_project: str | None = None  # also report to Weights & Biases, in this project
     export: bool = True
+    dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
+    world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
+    gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default: this GPU, or 141)
 
     def check(self) -> None:
         """ValueError naming the flag and the fix for a setting no run can use."""
@@ -61,6 +66,8 @@ class TrainConfig:
             raise ValueError(f"--lr {self.lr} must be positive.")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"--lr-schedule {self.lr_schedule!r}: pick constant, linear or cosine.")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 0 (0 keeps every checkpoint).")
         if self.save_every < 0:
             raise ValueError(f"--save-every {self.save_every} must be >= 0 (0 saves only at the end).")
         if not valid_head_groups(self.attention_head_groups):
@@ -72,7 +79,7 @@ class TrainConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 0 (leave it out to plan from memory).")
 
 
-TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3, output_dir="runs/tiny")
+TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3)
 
 DESCRIPTION = """\
 Fine-tune a causal LM on one ~1M-token sequence per step: Ulysses SP + ZeRO-3 + all memory levers.
@@ -99,8 +106,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     """The main job's flags; each defaults to None where `parse_args` fills it from the (tiny) defaults."""
     d = TrainConfig()
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = TINY_DEFAULTS
     p.add_argument("--model", help=f"hub name or local folder, or 'tiny' (default {d.model}; tiny without GPUs)")
-    p.add_argument("--seq-len", type=int, help=f"tokens per sequence, one sequence per step (default {d.seq_len:,})")
+    p.add_argument("--seq-len", type=int,
+                   help=f"tokens per sequence, one sequence per step (default {d.seq_len:,}; tiny: {t['seq_len']:,})")
     p.add_argument("--sp-size", type=int, help="ranks sharing one sequence (default: all ranks; DP over the rest)")
     p.add_argument("--data", help="'pg19', a hub dataset 'org/name[:split]', a .jsonl/.json/.parquet/.arrow/.csv file "
                                   "or a folder of them, a .txt file or folder of .txt, a .npy/.bin of token ids, or 'tiny'")
@@ -114,18 +123,23 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "per sample); default: samples joined into one causal stream")
     p.add_argument("--long-samples", choices=["split", "refuse"],
                    help="with --packing: cut a sample longer than --seq-len into pieces, or refuse it (default split)")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}; tiny: {t['steps']})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr}; tiny: {t['lr']})")
     p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=d.lr_schedule,
                    help="decay after warmup, down to --min-lr-ratio x lr")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr as a fraction of --lr")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     p.add_argument("--ds-config", default=d.ds_config,
-                   help="DeepSpeed JSON: ds_configs/zero3.json, zero3_offload_optimizer.json or zero3_offload_all.json")
-    p.add_argument("--output-dir", help=f"checkpoints, metrics.jsonl and the HF export (default {d.output_dir})")
-    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoint is in --output-dir")
+                   help="DeepSpeed config: a shipped one by name (zero3, zero3_offload_optimizer, zero3_offload_all; "
+                        f"default {d.ds_config}) or a JSON file")
+    p.add_argument("--output-dir", help="checkpoints, metrics.jsonl and the HF export (default: a new "
+                                        "runs/<model>-<date>-<time> per run)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir (default: the latest runs/<model>-* with a checkpoint)")
     p.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                   help=f"keep the newest N checkpoints, delete older ones (default {d.keep_checkpoints}; 0 keeps all)")
     p.add_argument("--yarn-factor", type=float, help="YaRN factor (default: seq-len / the model's trained length)")
     p.add_argument("--kernel", default=d.kernel, choices=list(KERNELS), help="attention kernel (auto: cuDNN SDPA on Hopper)")
     p.add_argument("--keep-on-gpu", type=int, help="checkpointed layers whose input stays on the GPU (default: as many as fit)")
@@ -140,7 +154,14 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")
+    p.add_argument("--wandb", dest="wandb_project", metavar="PROJECT",
+                   help="also report each step to Weights & Biases in PROJECT (pip install 'ulysses_lc[wandb]')")
     p.add_argument("--no-export", dest="export", action="store_false", help="skip the final HF export")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check and print the memory plan and predicted GPU and host memory per rank; "
+                        "loads no weights and touches no GPU")
+    p.add_argument("--world-size", type=int, help="--dry-run: GPUs to plan for (default: this launch's)")
+    p.add_argument("--gpu-memory-gb", type=float, help="--dry-run: memory per GPU (default 149, an H200)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

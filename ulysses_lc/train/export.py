@@ -24,6 +24,7 @@ def gather_state_dict(module: torch.nn.Module, rank0: bool) -> dict[str, torch.T
 
     state = {} if rank0 else None
     first_name: dict[int, str] = {}
+    persistent = set(module.state_dict(keep_vars=True))  # state_dict leaves non-persistent buffers out
     for prefix, sub in module.named_modules():
         params = list(sub.named_parameters(recurse=False))
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
@@ -38,8 +39,9 @@ def gather_state_dict(module: torch.nn.Module, rank0: bool) -> dict[str, torch.T
                     state[key] = p.detach().to("cpu", copy=True)
                     first_name[id(p)] = key
             for name, buf in sub.named_buffers(recurse=False):
-                if buf is not None and name not in sub._non_persistent_buffers_set:
-                    state[f"{prefix}.{name}" if prefix else name] = buf.detach().to("cpu", copy=True)
+                key = f"{prefix}.{name}" if prefix else name
+                if buf is not None and key in persistent:
+                    state[key] = buf.detach().to("cpu", copy=True)
     return state
 
 

@@ -4,36 +4,45 @@ Every piece is a library call a user can take on its own (see examples/embed_in_
 module strings them together with the run's bookkeeping: checks before any heavy work, the token
 cache, the engine, logging, checkpoints with resume, and the final Hugging Face export.
 
-Order of work, chosen so that mistakes cost seconds: flags and the DeepSpeed config are checked, the
-output directory is checked, the model config is read (no weights) and the SP split checked against
-it, the data source is checked; only then are weights loaded and the data tokenized.
+Order of work, chosen so that mistakes cost seconds: every rank runs the same cheap checks (preflight.py:
+flags, DeepSpeed config, output directory, optional packages, data source, model config and SP split)
+before any collective; only then does the process group start, and the data is tokenized and the weights
+loaded.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
-from ..attention import check_model_for_ulysses
 from ..data import build_token_stream, check_source
-from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
 from ..launch import init_distributed
 from ..layout import ParallelLayout
 from ..memory import MemoryPlan, plan_step_memory
-from ..metrics import StepLogger, measure_peak_bf16_tflops, model_flops_per_step
+from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..sharding import shard_batch
-from ..yarn import apply_yarn
-from .checkpoint import check_output_dir, load_checkpoint, save_checkpoint, write_run_file
+from .checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint, write_run_file
 from .config import TrainConfig
+from .console import RunLogger, layout_line, startup_block
+from .estimate import estimate_memory
 from .export import EXPORT_DIR, export_hf_model
-from .loading import load_model, load_model_config, load_tokenizer
+from .loading import load_model, load_tokenizer
+from .preflight import preflight
 from .schedule import lr_lambda
 
 logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm went inf/NaN: the run stops before saving it; the message names the last good checkpoint."""
 
 
 def train(cfg: TrainConfig, on_step=None) -> list[dict]:
@@ -44,28 +53,21 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     """
     import deepspeed
 
-    cfg.check()
-    ds_raw = load_deepspeed_config(cfg.ds_config)
+    checked = preflight(cfg, world_size())
+    if cfg.dry_run:
+        raise ValueError("--dry-run: call ulysses_lc.train.dry_run(cfg), which loads nothing and starts no process group.")
     init_distributed()  # any launcher, or one process under plain python
-    world = torch.distributed.get_world_size()
-    sp_size = cfg.sp_size or world
-    layout = ParallelLayout.build(sp_size)  # ValueError when world is not divisible
+    layout = ParallelLayout.build(checked.sp_size)
+    world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
     rank0 = layout.rank == 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    # One optimizer step per sequence per DP group: the loop, schedule and checkpoints count in those steps.
-    ds_config = resolve_precision(check_deepspeed_config(ds_raw, layout, gradient_accumulation_steps=1), dtype)
-    check_optimizer_block(ds_config, cfg.lr, cfg.weight_decay)
-    out = check_output_dir(cfg, sp_size, world)
-    if cfg.seq_len < sp_size:
-        raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
+    out = checked.out if checked.out is not None else _agree_on_new_run_dir(cfg.model, layout)
+    if rank0:
+        logger.info("%s %s", "resuming" if cfg.resume else "writing to", out)
 
-    model_config = load_model_config(cfg.model)
-    check_model_for_ulysses(model_config, sp_size)
-    apply_yarn(model_config, cfg.seq_len, cfg.yarn_factor)
     tokenizer = load_tokenizer(cfg.model)
     data_settings = dict(text_column=cfg.text_column, data_config=cfg.data_config, loss_on=cfg.loss_on,
                          packing=cfg.packing, long_samples=cfg.long_samples, seed=cfg.seed)
@@ -77,7 +79,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     )
 
     torch.manual_seed(cfg.seed)
-    hf_model = load_model(cfg.model, model_config, dtype, cfg.seed, device, ds_config)
+    hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config)
     num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in hf_model.parameters())
     model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
 
@@ -96,7 +98,10 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     plan = _memory_plan(cfg, model, device, num_params, layout)
     model.use_plan(plan)
     if rank0:
-        logger.info("memory plan: %s", model.checkpointing.report())
+        logger.info(startup_block(
+            out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
+            kernel=cfg.kernel, plan=plan, estimate=estimate_memory(cfg, checked, plan, num_params),
+            device="gpu" if device.type == "cuda" else "cpu"))
 
     start_step = 0
     if cfg.resume:
@@ -106,14 +111,16 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     elif rank0:
         write_run_file(out, cfg, sp_size, world)
 
-    # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size.
+    # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size. Without a
+    # GPU the figures mean nothing, so the line shows "-".
     flops = model_flops_per_step(model_config, cfg.seq_len, recompute_layers=plan.recompute_layers,
-                                 cached_attention_layers=plan.cache_attention_layers)
+                                 cached_attention_layers=plan.cache_attention_layers) if device.type == "cuda" else None
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     records = []
-    with StepLogger(
+    with RunLogger(
         out, cfg.steps, tokens_per_step=cfg.seq_len * layout.dp_size, world_size=sp_size, flops=flops,
         peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=cfg.tensorboard,
+        wandb_run=_start_wandb(cfg, out) if rank0 and cfg.wandb_project else None,
     ) as step_logger:
         for step in range(start_step, cfg.steps):
             # DP group j takes window position + j; the position then moves past all DP groups' windows.
@@ -130,9 +137,9 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
             loss_value = _dp_mean(loss.detach(), layout)
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
+            grad_norm = None if grad_norm is None else float(grad_norm)
             record = step_logger.log(
-                step + 1, loss=loss_value, step_time_s=step_time,
-                grad_norm=None if grad_norm is None else float(grad_norm),
+                step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
                 trained_tokens=_dp_sum(model.last_num_tokens, layout), documents=sample.num_documents,
                 padding_share=sample.padding_tokens / cfg.seq_len,
@@ -141,14 +148,47 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
             if record is not None:
                 records.append(record)
             done = step + 1
+            # The loss is the same on every rank (SP-reduced, then the DP mean) and the norm is global, so every
+            # rank stops here together.
+            if not math.isfinite(loss_value) or (grad_norm is not None and not math.isfinite(grad_norm)):
+                raise NonFiniteError(
+                    f"step {done}: loss {loss_value}, grad_norm {grad_norm}: not finite; the run stops without "
+                    f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
+                    f"{cfg.lr:g}) or raise --warmup-steps, and check the data; then continue from the checkpoint "
+                    f"with --resume --output-dir {out}.")
             if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-                save_checkpoint(engine, out, done, stream)
+                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints)
             if on_step is not None:
                 on_step(done, record)
 
     if cfg.export:
         export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout)
+    if rank0:
+        logger.info("done: %d steps in %s (checkpoint %s%s)", cfg.steps, out, latest_checkpoint(out),
+                    f", Hugging Face model {out / EXPORT_DIR}" if cfg.export else "")
     return records
+
+
+def world_size() -> int:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _agree_on_new_run_dir(model: str, layout: ParallelLayout) -> Path:
+    """Rank 0 names the new run directory and tells the others (their clocks may straddle a second)."""
+    name = [str(new_run_dir(model)) if layout.rank == 0 else None]
+    torch.distributed.broadcast_object_list(name, src=0, group=layout.world_group)
+    return Path(name[0])
+
+
+def _start_wandb(cfg: TrainConfig, out: Path):
+    import wandb
+
+    # One W&B run per run directory: a resumed run continues it (its id is the directory's name).
+    run_id = re.sub(r"[^\w-]", "-", out.name)  # W&B ids take letters, digits, '-' and '_'
+    return wandb.init(project=cfg.wandb_project, name=out.name, id=run_id, resume="allow", dir=str(out),
+                      config=asdict(cfg))
 
 
 def _pad_id(tokenizer) -> int:

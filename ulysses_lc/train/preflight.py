@@ -1,0 +1,106 @@
+"""Every check that costs seconds, run before any collective, tokenizing or weight loading.
+
+Each rank runs `preflight` on the same inputs (flags, files, model config), so a mistake raises the same
+`CheckFailed` on every rank before any process waits on another: rank 0 reports it and all exit
+(launch.main). Nothing is written by a refused run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..attention import check_model_for_ulysses
+from ..data import parse_source
+from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
+from ..layout import ParallelLayout
+from ..yarn import apply_yarn
+from .checkpoint import check_output_dir, find_latest_run
+from .config import TrainConfig
+from .loading import load_model_config
+
+
+# (flag, its TrainConfig field, the module it imports, the pyproject extra that installs it)
+OPTIONAL_PACKAGES = (
+    ("--tensorboard", "tensorboard", "torch.utils.tensorboard", "tensorboard"),
+    ("--wandb", "wandb_project", "wandb", "wandb"),
+)
+
+
+class CheckFailed(ValueError):
+    """A user mistake found before any collective, the same on every rank; the message names the fix."""
+
+
+@dataclass
+class Checked:
+    """What the checks resolved, handed to the loop."""
+
+    out: Path | None  # None: a new run directory, named once the ranks can agree on it
+    ds_config: dict
+    model_config: object  # YaRN applied
+    sp_size: int
+    world_size: int
+    dtype: torch.dtype
+
+
+def preflight(cfg: TrainConfig, world_size: int) -> Checked:
+    """Run every cheap check for `cfg` on `world_size` ranks; CheckFailed (a ValueError) names the fix."""
+    try:
+        return _preflight(cfg, world_size)
+    except CheckFailed:
+        raise
+    except ValueError as e:
+        raise CheckFailed(str(e)) from e
+
+
+def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
+    cfg.check()
+    sp_size = cfg.sp_size or world_size
+    layout = ParallelLayout(world_size, sp_size)  # sizes only, no groups: ValueError when sp does not divide
+    # bf16 on GPUs, fp32 on CPU; a dry run predicts the GPU run.
+    dtype = torch.bfloat16 if cfg.dry_run or torch.cuda.is_available() else torch.float32
+    # One optimizer step per sequence per DP group: the loop, schedule and checkpoints count in those steps.
+    ds_config = check_deepspeed_config(load_deepspeed_config(cfg.ds_config), layout, gradient_accumulation_steps=1)
+    check_optimizer_block(resolve_precision(ds_config, dtype), cfg.lr, cfg.weight_decay)
+    if cfg.seq_len < sp_size:
+        raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
+    out = None if cfg.dry_run else _check_output(cfg, sp_size, world_size)
+    for flag, field, module, extra in OPTIONAL_PACKAGES:
+        if getattr(cfg, field):
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ValueError(f"{flag} needs the {extra} package ({e}); pip install 'ulysses_lc[{extra}]' or drop "
+                                 f"{flag}.") from e
+    parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
+    model_config = load_model_config(cfg.model)
+    check_model_for_ulysses(model_config, sp_size)
+    apply_yarn(model_config, cfg.seq_len, cfg.yarn_factor)
+    return Checked(out, ds_config, model_config, sp_size, world_size, dtype)
+
+
+def _check_output(cfg: TrainConfig, sp_size: int, world_size: int) -> Path | None:
+    if cfg.output_dir is None:
+        if cfg.resume:
+            return check_output_dir(cfg, sp_size, world_size, find_latest_run(cfg.model))
+        _check_writable(Path("runs"), "the default runs/ folder")
+        return None
+    out = Path(cfg.output_dir)
+    _check_writable(out, f"--output-dir {out}")
+    return check_output_dir(cfg, sp_size, world_size, out)
+
+
+def _check_writable(out: Path, what: str) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{what} is a file, not a folder; pass a folder (it is created if missing).")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{what} cannot be created: {existing} is a file; pass another --output-dir.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} is not writable ({existing} refuses writes); pass a folder you can write to.")
