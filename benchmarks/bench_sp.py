@@ -11,7 +11,7 @@ each other) whose estimate no longer fits in --budget-s, and records them as ski
 
 What a step is, for both implementations at every sp: one sequence of `seq` random tokens (the same tokens),
 batch 1, the same seed weights of a public Qwen3 shape (bench_step.build_model: bf16 on CUDA, fp32 on CPU),
-forward + backward + optimizer step through a DeepSpeed ZeRO-3 engine (ds_configs/zero3.json: bf16, gradient
+forward + backward + optimizer step through a DeepSpeed ZeRO-3 engine (the shipped zero3 config: bf16, gradient
 clipping 1.0) around torch.optim.AdamW(lr=1e-5, fused on CUDA). Timed: one step after one warm-up step
 ("full": warm-up at the same length, so the timed step is a steady one: pinned host buffers, the allocator's
 segments and attention plans exist; "short": warm-up at 8k tokens, used where one step takes minutes, so the
@@ -88,7 +88,7 @@ def _sync(dev):
 def _ds_config(dev, extra=None) -> dict:
     from ulysses_lc.ds_config import load_deepspeed_config
 
-    config = load_deepspeed_config(REPO / "ds_configs" / "zero3.json")
+    config = load_deepspeed_config("zero3")
     config["bf16"] = {"enabled": dev.type == "cuda"}
     config.update(extra or {})
     return config

@@ -1,7 +1,7 @@
 """Train through Hugging Face's `Trainer` or TRL's `SFTTrainer`: one class swap, the script stays a Trainer script.
 
     from ulysses_lc.hf_trainer import UlyssesTrainer, ulysses_trainer
-    trainer = UlyssesTrainer(model=model, args=TrainingArguments(..., deepspeed="ds_configs/zero3.json"),
+    trainer = UlyssesTrainer(model=model, args=TrainingArguments(..., deepspeed=load_deepspeed_config("zero3")),
                              train_dataset=ds, data_collator=collator, sp_size=2, seq_len=131072)
     trainer = ulysses_trainer(SFTTrainer)(model=model, args=SFTConfig(..., deepspeed=...), ...)   # TRL
 
@@ -154,7 +154,7 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
     """Raise ValueError, with the fix, for Trainer settings under which ulysses_lc would train wrong or not at all."""
     if args is None or not getattr(args, "deepspeed", None):
         raise ValueError("ulysses_lc trains on DeepSpeed ZeRO-3: pass TrainingArguments(..., deepspeed="
-                         "'ds_configs/zero3.json') (or SFTConfig(..., deepspeed=...)).")
+                         "load_deepspeed_config('zero3')) (or SFTConfig(..., deepspeed=...)).")
     pc = getattr(args, "parallelism_config", None)
     if pc is not None and (getattr(pc, "sp_size", 1) > 1 or getattr(pc, "cp_size", 1) > 1):
         raise ValueError("parallelism_config asks accelerate for its own sequence/context parallelism, which would "
