@@ -7,7 +7,6 @@ The input embedding is a lookup, not a matmul, and norms/biases are negligible; 
 """
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -142,6 +141,10 @@ def host_memory_gb() -> tuple[float, float]:
     return rss / 1e9, psutil.virtual_memory().used / 1e9
 
 
+def _fmt(value, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
 class StepLogger:
     """Per-step log: one human line (rank 0), one JSON line in `metrics.jsonl`, a tqdm bar, TensorBoard.
 
@@ -258,26 +261,22 @@ class StepLogger:
 
     @staticmethod
     def format_line(r: dict) -> str:
-        """The human line, e.g. `step 3/10 | loss 4.3110 | ... | MFU 65.9% | gpu 56.2 GB | host 12.0 GB (node 120.4 GB)`."""
-        parts = [f"step {r['step']}/{r['total_steps']}", f"loss {r['loss']:.4f}"]
-        if r["grad_norm"] is not None and math.isfinite(r["grad_norm"]):
-            parts.append(f"grad_norm {r['grad_norm']:.2f}")
-        elif r["grad_norm"] is not None:
-            parts.append(f"grad_norm {r['grad_norm']}")
-        if r["lr"] is not None:
-            parts.append(f"lr {r['lr']:.1e}")
-        parts += [f"tokens {r['tokens']:,}", f"{r['step_time_s']:.1f} s", f"{r['tokens_per_s']:,.0f} tok/s"]
+        """The human line, e.g. `step 3/10 | loss 4.3110 | ... | MFU 65.9% | gpu 56.2 GB | host 12.0 GB (node 120.4 GB)`;
+        "-" where a figure does not apply (no TFLOPS, MFU or GPU memory without a GPU). Packed steps add the
+        labels trained, the documents and the padding share."""
+        parts = [
+            f"step {r['step']}/{r['total_steps']}", f"loss {r['loss']:.4f}", f"grad_norm {_fmt(r['grad_norm'], '.2f')}",
+            f"lr {_fmt(r['lr'], '.1e')}", f"tokens {r['tokens']:,}",
+        ]
         if r.get("trained_tokens") is not None:
             parts.append(f"trained {r['trained_tokens']:,}")
-        if r.get("documents", 1) > 1:  # packed samples
+        if r.get("documents", 1) > 1:
             parts.append(f"docs {r['documents']} (pad {100 * r.get('padding_share', 0.0):.1f}%)")
-        if r["tflops_per_gpu"] is not None:
-            parts.append(f"{r['tflops_per_gpu']:.1f} TFLOPS/GPU (ALST conv. {r['effective_tflops_per_gpu']:.1f})")
-        if r["mfu"] is not None:
-            parts.append(f"MFU {100 * r['mfu']:.1f}%")
-        if r["gpu_mem_gb"] is not None:
-            parts.append(f"gpu {r['gpu_mem_gb']:.1f} GB")
-        parts.append(f"host {r['host_rss_gb']:.1f} GB (node {r['host_used_gb']:.1f} GB)")
+        parts += [
+            f"{r['step_time_s']:.1f} s", f"{r['tokens_per_s']:,.0f} tok/s", f"TFLOPS/GPU {_fmt(r['tflops_per_gpu'], '.1f')}",
+            f"MFU {_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%')}",
+            f"gpu {_fmt(r['gpu_mem_gb'], '.1f', ' GB')}", f"host {r['host_rss_gb']:.1f} GB (node {r['host_used_gb']:.1f} GB)",
+        ]
         return " | ".join(parts)
 
     def close(self) -> None:

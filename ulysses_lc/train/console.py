@@ -9,13 +9,9 @@ from ..metrics import StepLogger
 GB = 1e9
 
 
-def _fmt(value, spec: str, unit: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{unit}"
-
-
 class RunLogger(StepLogger):
-    """StepLogger whose line prints "-" for figures that do not apply (TFLOPS and memory without a GPU), and
-    whose progress bar is only drawn on a terminal (in a log file it would interleave with the step lines)."""
+    """StepLogger whose progress bar is only drawn on a terminal (in a log file it would interleave with the step
+    lines), and that also sends each step's numbers to Weights & Biases."""
 
     def __init__(self, *args, wandb_run=None, **kwargs):
         """wandb_run: a started `wandb.init(...)` run (rank 0) that also receives every step's numbers."""
@@ -36,17 +32,6 @@ class RunLogger(StepLogger):
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
-
-    @staticmethod
-    def format_line(r: dict) -> str:
-        parts = [
-            f"step {r['step']}/{r['total_steps']}", f"loss {r['loss']:.4f}", f"grad_norm {_fmt(r['grad_norm'], '.2f')}",
-            f"lr {_fmt(r['lr'], '.1e')}", f"tokens {r['tokens']:,}", f"{r['step_time_s']:.1f} s",
-            f"{r['tokens_per_s']:,.0f} tok/s", f"TFLOPS/GPU {_fmt(r['tflops_per_gpu'], '.1f')}",
-            f"MFU {_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%')}",
-            f"gpu {_fmt(r['gpu_mem_gb'], '.1f', ' GB')}", f"host {r['host_rss_gb']:.1f} GB (node {r['host_used_gb']:.1f} GB)",
-        ]
-        return " | ".join(parts)
 
 
 def layout_line(layout) -> str:
