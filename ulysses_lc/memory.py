@@ -202,14 +202,16 @@ def plan_step_memory(
     that partition them). Collective on CUDA. Without CUDA: every layer checkpointed and offloaded, attention
     outputs kept where the kernel allows (on a CPU that only exercises the paths). packed: the steps train
     packed documents, whose attention runs per document (kernels.document_attention): no kept outputs, so none
-    are planned (their memory goes to layers that skip the recompute)."""
+    are planned (their memory goes to layers that skip the recompute), and no head groups, so the kernel's
+    backward block is reserved whole (the per-document and variable-length kernels hold at most that)."""
     keep_attention = can_keep_attention(shape, kernel) and not packed
     if device.type != "cuda":
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
     device_free, host_free = measure_free_memory(device, layout)
     return plan_memory(
         shape, seq_len, device_free - reserved_bytes, sp_size=layout.sp_size, host_free_bytes=host_free,
-        offload=offload, keep_attention=keep_attention, head_groups=planned_head_groups(shape, kernel, head_groups),
+        offload=offload, keep_attention=keep_attention,
+        head_groups=1 if packed else planned_head_groups(shape, kernel, head_groups),
     )
 
 

@@ -28,7 +28,7 @@ def dry_run(cfg: TrainConfig) -> str:
     shape = ModelShape.from_config(checked.model_config)
     plan = plan_memory(shape, cfg.seq_len, gpu_bytes - state_gpu - CONTEXT_BYTES, sp_size=checked.sp_size,
                        keep_attention=can_keep_attention(shape, cfg.kernel) and not cfg.packing,
-                       head_groups=planned_head_groups(shape, cfg.kernel, cfg.attention_head_groups))
+                       head_groups=1 if cfg.packing else planned_head_groups(shape, cfg.kernel, cfg.attention_head_groups))
     plan = plan.with_overrides(cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     layout = ParallelLayout(checked.world_size, checked.sp_size)
     block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
