@@ -59,5 +59,6 @@ def estimate_memory(cfg, checked, plan, num_params: int) -> MemoryEstimate:
     state_gpu, state_host = zero3_state_bytes(num_params, checked.world_size, checked.ds_config)
     shape = ModelShape.from_config(checked.model_config)
     act_gpu, act_host = plan_bytes(shape, cfg.seq_len, plan, sp_size=checked.sp_size,
-                                   head_groups=planned_head_groups(shape, cfg.kernel, cfg.attention_head_groups))
+                                   head_groups=1 if cfg.packing else planned_head_groups(shape, cfg.kernel,
+                                                                                         cfg.attention_head_groups))
     return MemoryEstimate(state_gpu, state_host, act_gpu, act_host)
