@@ -69,12 +69,16 @@ class MemoryPlan:
 
 # Decoder-layer activations under the levers, bf16 bytes per local token, with q = h x d and kv = h_kv x d:
 #   a layer that keeps everything (no recompute): the inputs of the norms and projections, q/k/v and the
-#   attention output, 2 (4e + 3q + 3kv), x 1.25 for what the estimate misses (measured on the H200);
+#   attention output, 2 (4e + 3q + 3kv) (26.6 KB on the Qwen3-0.6B shape; the main job at 128k measured ~26),
+#   which the planner counts x PLAIN_LAYER_MARGIN;
 #   one layer's recompute-and-backward working set: 2 (8e + 6q + 6kv), plus the attention backward's own block
 #   (kernels.py) over its head groups. On the Qwen3-0.6B shape at 256k: 57 KB/token by this formula, 45
 #   KB/token measured (BENCHMARKS.md G).
-def plain_layer_bytes_per_token(shape: ModelShape) -> float:
-    return 2 * (4 * shape.hidden + 3 * shape.q_width + 3 * shape.kv_width) * 1.25
+PLAIN_LAYER_MARGIN = 1.25  # the planner's allowance for what the formula misses: a plain layer too many OOMs
+
+
+def plain_layer_bytes_per_token(shape: ModelShape) -> int:
+    return 2 * (4 * shape.hidden + 3 * shape.q_width + 3 * shape.kv_width)
 
 
 def working_set_bytes_per_token(shape: ModelShape) -> int:
@@ -104,6 +108,7 @@ def plan_memory(
     """
     layers = shape.layers
     working, plain, kept, cached = _layer_bytes(shape, seq_len, sp_size, head_groups, keep_attention, offload)
+    plain *= PLAIN_LAYER_MARGIN
     avail = device_free_bytes * headroom - working
     if not offload:
         # Every checkpointed input stays on the device. Attention outputs first (a tenth of a plain
@@ -153,8 +158,8 @@ def _layer_bytes(shape: ModelShape, seq_len: int, sp_size: int, head_groups, kee
 
 def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: int = 1, head_groups: int | str = "auto",
                offload: bool = True) -> tuple[int, int]:
-    """(device, host) bytes per rank of one step's activations under `plan`, by plan_memory's own terms (before
-    its headroom): what --dry-run predicts."""
+    """(device, host) bytes per rank of one step's activations under `plan`, by plan_memory's own terms without
+    its margins (headroom, PLAIN_LAYER_MARGIN): what --dry-run predicts."""
     working, plain, kept, cached = _layer_bytes(shape, seq_len, sp_size, head_groups,
                                                 plan.cache_attention_layers > 0, offload)
     on_device = plan.keep_on_gpu if offload else plan.recompute_layers
