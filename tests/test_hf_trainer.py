@@ -116,6 +116,7 @@ REFUSALS = [
     (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
     (dict(per_device_train_batch_size=2), "per_device_train_batch_size"),
     (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+    (dict(activation_checkpointing=True), "activation_checkpointing"),  # transformers 5's name for it
 ]
 
 
