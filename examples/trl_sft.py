@@ -44,13 +44,16 @@ args = parser.parse_args()
 DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def generated_chats(n: int, seed: int = 0) -> list[dict]:
-    """n conversations from tiny_text's prose: a user line, then an assistant reply that continues it."""
+def generated_chats(n: int, max_length: int, seed: int = 0) -> list[dict]:
+    """n conversations from tiny_text's prose: a user line, then an assistant reply that continues it.
+
+    At most max_length // 2 bytes (tokens of the tiny tokenizer), so no reply is cut away: TRL drops a row whose
+    every label is masked."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        text = tiny_text(rng.randint(400, 1600), seed=seed + i)
-        cut = rng.randint(100, len(text) // 2)
+        text = tiny_text(rng.randint(max_length // 4, max_length // 2), seed=seed + i)
+        cut = rng.randint(len(text) // 4, len(text) // 2)
         rows.append({"messages": [{"role": "user", "content": f"Continue the story: {text[:cut]}"},
                                   {"role": "assistant", "content": text[cut:]}]})
     return rows
@@ -58,7 +61,7 @@ def generated_chats(n: int, seed: int = 0) -> list[dict]:
 
 def load_rows(name: str | None) -> datasets.Dataset:
     if name is None:
-        return datasets.Dataset.from_list(generated_chats(4 * (args.steps + 1)))
+        return datasets.Dataset.from_list(generated_chats(4 * (args.steps + 1), args.max_length))
     file_type = DATA_FILE_TYPES.get(os.path.splitext(name)[1])
     if file_type is not None:
         return datasets.load_dataset(file_type, data_files=name, split=args.split)
