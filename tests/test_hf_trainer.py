@@ -3,7 +3,8 @@
 SP=2 against SP=1 through the same Trainer (and through SFTTrainer on prompt/completion rows, with TRL's own
 tokenization and completion-only labels): the first step's loss (1e-5 relative) and every gradient as ZeRO-3
 reduced it (1e-4 relative norm), the logged losses; `evaluate()` against the plain model's loss; a Trainer
-checkpoint resumed to the same trajectory; and each refusal at construction.
+checkpoint resumed to the same trajectory, and its folder loaded by from_pretrained giving the trained model's
+logits exactly (with a plain attention implementation); and each refusal at construction.
 """
 
 import pytest
@@ -233,3 +234,41 @@ def test_sft_trainer_evaluate_is_the_plain_completion_loss(tmp_path):
     assert abs(ref - unmasked) > 1e-3  # the comparison below can tell completion-only from every token
     for loss, _ in results:
         assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
+
+
+def save_worker(rank, world, out):
+    import datasets
+    import deepspeed
+
+    from ulysses_lc.hf_trainer import UlyssesTrainer
+
+    ds = datasets.Dataset.from_dict({"input_ids": sequences()})
+    # _save writes weights only where ZeRO-3 gathers them for saving (ds_configs/zero3.json sets this too).
+    config = {**DS, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(out, 2, deepspeed=config, save_strategy="steps",
+                                                                      save_steps=2), train_dataset=ds, sp_size=2)
+    trainer.train()
+    hf_model = trainer.model.model
+    with deepspeed.zero.GatheredParameters(list(hf_model.parameters())):
+        weights = {n.replace(".mlp.mlp.", ".mlp."): p.detach().clone() for n, p in hf_model.named_parameters()}
+    return weights
+
+
+def test_trainer_checkpoint_loads_as_a_plain_model(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    weights = run_distributed(save_worker, 2, str(tmp_path))[0]
+    folder = tmp_path / "checkpoint-2"
+    saved_config = json.loads((folder / "config.json").read_text())
+    assert saved_config.get("attn_implementation", "sdpa") in ("sdpa", "eager"), saved_config
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert loaded.config._attn_implementation == "sdpa"
+    trained = build("qwen3").eval()
+    trained.load_state_dict(weights)
+    assert not torch.equal(trained.model.embed_tokens.weight, build("qwen3").model.embed_tokens.weight)  # it trained
+    input_ids = torch.tensor(sequences(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=input_ids).logits, trained(input_ids=input_ids).logits,
+                                   rtol=0, atol=0)
