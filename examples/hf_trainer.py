@@ -2,11 +2,13 @@
 
     python examples/hf_trainer.py                                   # one CPU process, the embedded tiny Qwen3
     torchrun --nproc_per_node 2 examples/hf_trainer.py              # SP=2 on CPU (gloo) or 2 GPUs
-    accelerate launch --cpu --num_processes 2 --config_file examples/accelerate_zero3.yaml examples/hf_trainer.py
+    accelerate launch --num_processes 2 --config_file examples/accelerate_zero3.yaml examples/hf_trainer.py  # no --cpu
     deepspeed --num_gpus 1 examples/hf_trainer.py --model-config qwen3-0.6b.json --seq-len 131072 --steps 3
 
 --model a hub name or folder (weights, YaRN for --seq-len); --model-config a config JSON (or "tiny") for random
 weights, no network; --data any ulysses_lc.data source (tiny, a folder, a dataset).
+Without a GPU the script sets use_cpu=True itself; `accelerate launch --cpu` is refused (accelerate's CPU path
+turns DeepSpeed off and starts one process without MPI).
 """
 
 import argparse

@@ -1,8 +1,10 @@
 """The Hugging Face Trainer and TRL's SFTTrainer through ulysses_lc.hf_trainer, on 2 gloo ranks.
 
-SP=2 against SP=1 through the same Trainer: the first step's loss (1e-5 relative) and every gradient as ZeRO-3
+SP=2 against SP=1 through the same Trainer (and through SFTTrainer on prompt/completion rows, with TRL's own
+tokenization and completion-only labels): the first step's loss (1e-5 relative) and every gradient as ZeRO-3
 reduced it (1e-4 relative norm), the logged losses; `evaluate()` against the plain model's loss; a Trainer
-checkpoint resumed to the same trajectory; and each refusal at construction.
+checkpoint resumed to the same trajectory, and its folder loaded by from_pretrained giving the trained model's
+logits exactly (with a plain attention implementation); and each refusal at construction.
 """
 
 import pytest
@@ -115,6 +117,7 @@ REFUSALS = [
     (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
     (dict(per_device_train_batch_size=2), "per_device_train_batch_size"),
     (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+    (dict(activation_checkpointing=True), "activation_checkpointing"),  # transformers 5's name for it
 ]
 
 
@@ -161,3 +164,111 @@ def test_packed_positions_become_document_lengths():
     assert batch["cu_seqlens"] == (0, 3, 6)
     assert batch["position_ids"].tolist() == [[0, 1, 2]]
     assert batch["labels"].tolist() == [[6, 7, -100]]  # the document's last token predicts nothing
+
+
+# -- TRL's SFTTrainer: prompt/completion rows, TRL's own tokenization and completion-only labels --
+
+def sft_rows(n=4):
+    """Offline prompt/completion rows of different lengths (the tiny byte tokenizer: one token per byte)."""
+    g = torch.Generator().manual_seed(1)
+    words = ["north", "river", "lamp", "seven", "quiet", "harbour", "stone", "letter"]
+    pick = lambda k: " ".join(words[int(i)] for i in torch.randint(0, len(words), (k,), generator=g))
+    return [{"prompt": f"Q: {pick(3 + i)}?\n", "completion": f"A: {pick(5 + 2 * i)}."} for i in range(n)]
+
+
+def sft_worker(rank, world, sp_size, out, mode):
+    import datasets
+    from trl import SFTConfig
+
+    from ulysses_lc.hf_trainer import UlyssesSFTTrainer
+    from ulysses_lc.launch import init_distributed
+    from ulysses_lc.tiny import tiny_tokenizer
+
+    init_distributed()  # as a script does: zero.Init (from_config after the SFTConfig below) then sees both ranks
+    tokenizer = tiny_tokenizer()
+    # evaluate() is compared with the plain model's weights, built before the ZeRO-3 config exists; the gradient
+    # test builds the model after it, under zero.Init, as a ZeRO-3 script does.
+    model = build("qwen3", vocab_size=len(tokenizer)) if mode == "eval" else None
+    ds = datasets.Dataset.from_list(sft_rows())
+    record = {}
+    if mode == "grads":
+        first_step_grads(record)
+    args = SFTConfig(output_dir=out, deepspeed=DS, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                     max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                     lr_scheduler_type="constant", disable_tqdm=True, use_cpu=True, bf16=False,
+                     activation_checkpointing=False, max_length=128)
+    model = model or build("qwen3", vocab_size=len(tokenizer))
+    trainer = UlyssesSFTTrainer(model=model, args=args, train_dataset=ds,
+                                eval_dataset=ds.select(range(2)), processing_class=tokenizer, sp_size=sp_size)
+    if mode == "eval":
+        # trl 1.16 writes the completion-only labels into the dataset ("Building labels").
+        rows = [(r["input_ids"], r["labels"]) for r in trainer.eval_dataset]
+        return trainer.evaluate()["eval_loss"], rows
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], record.get("grads")
+
+
+def test_sft_trainer_sp2_equals_sp1(tmp_path):
+    (single,) = run_distributed(sft_worker, 1, 1, str(tmp_path / "sp1"), "grads")
+    for losses, grads in run_distributed(sft_worker, 2, 2, str(tmp_path / "sp2"), "grads"):
+        assert len(losses) == 2 and losses[0] != losses[-1]
+        for a, b in zip(losses, single[0]):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), (losses, single[0])
+        assert_grads_close(grads, single[1])
+
+
+def test_sft_trainer_evaluate_is_the_plain_completion_loss(tmp_path):
+    from ulysses_lc.tiny import tiny_tokenizer
+
+    results = run_distributed(sft_worker, 2, 2, str(tmp_path), "eval")
+    rows = results[0][1]
+    model = build("qwen3", vocab_size=len(tiny_tokenizer())).eval()
+    ref, unmasked = [], []
+    with torch.no_grad():
+        for input_ids, labels in rows:
+            ids, labels = torch.tensor([input_ids]), torch.tensor([labels])
+            assert (labels == -100).any() and (labels != -100).any()  # TRL masked the prompt
+            ref.append(model(input_ids=ids, labels=labels).loss.item())
+            unmasked.append(model(input_ids=ids, labels=ids).loss.item())
+    ref, unmasked = sum(ref) / len(ref), sum(unmasked) / len(unmasked)
+    assert abs(ref - unmasked) > 1e-3  # the comparison below can tell completion-only from every token
+    for loss, _ in results:
+        assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
+
+
+def save_worker(rank, world, out):
+    import datasets
+    import deepspeed
+
+    from ulysses_lc.hf_trainer import UlyssesTrainer
+
+    ds = datasets.Dataset.from_dict({"input_ids": sequences()})
+    # _save writes weights only where ZeRO-3 gathers them for saving (ds_configs/zero3.json sets this too).
+    config = {**DS, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(out, 2, deepspeed=config, save_strategy="steps",
+                                                                      save_steps=2), train_dataset=ds, sp_size=2)
+    trainer.train()
+    hf_model = trainer.model.model
+    with deepspeed.zero.GatheredParameters(list(hf_model.parameters())):
+        weights = {n.replace(".mlp.mlp.", ".mlp."): p.detach().clone() for n, p in hf_model.named_parameters()}
+    return weights
+
+
+def test_trainer_checkpoint_loads_as_a_plain_model(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    weights = run_distributed(save_worker, 2, str(tmp_path))[0]
+    folder = tmp_path / "checkpoint-2"
+    saved_config = json.loads((folder / "config.json").read_text())
+    assert saved_config.get("attn_implementation", "sdpa") in ("sdpa", "eager"), saved_config
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert loaded.config._attn_implementation == "sdpa"
+    trained = build("qwen3").eval()
+    trained.load_state_dict(weights)
+    assert not torch.equal(trained.model.embed_tokens.weight, build("qwen3").model.embed_tokens.weight)  # it trained
+    input_ids = torch.tensor(sequences(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=input_ids).logits, trained(input_ids=input_ids).logits,
+                                   rtol=0, atol=0)

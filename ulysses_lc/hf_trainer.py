@@ -181,9 +181,10 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
         if getattr(args, key, 1) != 1:
             raise ValueError(f"{key}={getattr(args, key)}: ulysses_lc trains one whole sequence per device batch "
                              "(SP ranks share it); set it to 1 and use gradient_accumulation_steps for more.")
-    if getattr(args, "gradient_checkpointing", False):
-        raise ValueError("gradient_checkpointing=True: ulysses_lc checkpoints (and offloads) layers itself, as its "
-                         "memory plan says; set gradient_checkpointing=False.")
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise ValueError("activation_checkpointing (gradient_checkpointing) is on: ulysses_lc checkpoints (and "
+                         "offloads) layers itself, as its memory plan says; set activation_checkpointing=False "
+                         "(TRL's SFTConfig turns it on by default).")
     if getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") == "wrapped":
         raise ValueError("packing_strategy='wrapped' cuts documents into blocks without boundaries, so documents "
                          "would attend to each other; use packing_strategy='bfd' (ulysses_lc trains its documents "
@@ -194,6 +195,13 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
         if max_positions is not None and seq_len > max_positions and rope_type == "default":
             raise ValueError(f"seq_len={seq_len:,} is longer than the model's {max_positions:,} positions and it has "
                              "no RoPE scaling; load it with ulysses_lc.load_model_for_length(name, seq_len) (YaRN).")
+
+
+_NO_DEEPSPEED = (
+    "accelerate did not turn DeepSpeed on, so the ZeRO-3 partitioned weights would never be gathered. `accelerate "
+    "launch --cpu` does this: on CPU accelerate runs DDP only (and starts more than one process only through MPI). "
+    "On CPU leave --cpu out: `accelerate launch --num_processes 2 --config_file examples/accelerate_zero3.yaml "
+    "script.py` with TrainingArguments(use_cpu=True) trains on CPU with gloo; or use torchrun.")
 
 
 def _sp_size_from(args, sp_size: int | None) -> int | None:
@@ -222,6 +230,8 @@ class UlyssesTrainerMixin:
         check_trainer_setup(training_args, model if isinstance(model, torch.nn.Module) else None, kwargs, seq_len)
         init_distributed()
         super().__init__(*args, **kwargs)
+        if not self.is_deepspeed_enabled:
+            raise ValueError(_NO_DEEPSPEED)
         if self.accelerator.num_processes != torch.distributed.get_world_size():
             raise ValueError(f"accelerate sees {self.accelerator.num_processes} process(es) but torch.distributed has "
                              f"{torch.distributed.get_world_size()}: on CPU pass use_cpu=True in the TrainingArguments "

@@ -39,14 +39,15 @@ def default_backend() -> str:
 def init_distributed(backend: str | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed, from the launcher's variables or as one process.
 
-    Does nothing when the process group already exists (an accelerate or Trainer script has started it).
+    Where the process group already exists (accelerate, a Trainer or a test started it), DeepSpeed's comm layer is
+    pointed at it: without that, `zero.Init` (transformers' from_config/from_pretrained under a ZeRO-3
+    TrainingArguments) counts a world of one and stops at its train_batch_size check.
     backend: None picks nccl with GPUs, gloo without.
     """
     import deepspeed
 
-    if torch.distributed.is_initialized():
-        return
-    single_process_defaults()
+    if not torch.distributed.is_initialized():
+        single_process_defaults()
     deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
 
 

@@ -1,0 +1,65 @@
+"""The examples under each launcher, as a user starts them: torchrun, accelerate launch, plain python.
+
+Each is a two-step run of the tiny model on CPU in a subprocess, with a bounded timeout and its own free port
+(suites run side by side on one machine). They check that the job starts, trains and ends, not its numbers:
+those are test_hf_trainer.py's and test_training.py's.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests._dist import _free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 150
+
+
+def run(cmd: list[str], expect_ok: bool = True) -> str:
+    """Run cmd from the repository root; its stdout and stderr together. Retried once on a port taken meanwhile."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for attempt in range(2):
+        port = str(_free_port())
+        argv = [port if a == "{port}" else a for a in cmd]
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        out = proc.stdout + proc.stderr
+        if "EADDRINUSE" not in out and "address already in use" not in out.lower():
+            break
+    assert (proc.returncode == 0) == expect_ok, f"{' '.join(argv)} -> {proc.returncode}\n{out[-4000:]}"
+    return out
+
+
+def test_torchrun_hf_trainer(tmp_path):
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}",
+               "examples/hf_trainer.py", "--steps", "2", "--seq-len", "512", "--output-dir", str(tmp_path)])
+    assert out.count("'loss'") == 2 and "eval_loss" in out
+
+
+def test_accelerate_launch_hf_trainer(tmp_path):
+    out = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--main_process_port",
+               "{port}", "--config_file", "examples/accelerate_zero3.yaml", "examples/hf_trainer.py", "--steps", "2",
+               "--seq-len", "512", "--output-dir", str(tmp_path)])
+    assert out.count("'loss'") == 2 and "eval_loss" in out
+
+
+def test_accelerate_launch_cpu_is_refused(tmp_path):
+    # accelerate's --cpu path turns DeepSpeed off and starts one process without MPI: refused with the launch that works.
+    out = run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+               "--main_process_port", "{port}", "--config_file", "examples/accelerate_zero3.yaml",
+               "examples/hf_trainer.py", "--steps", "1", "--seq-len", "256", "--output-dir", str(tmp_path)],
+              expect_ok=False)
+    assert "leave --cpu out" in out
+
+
+def test_python_train_1m_one_process(tmp_path):
+    out = run([sys.executable, "examples/train_1m.py", "--model", "tiny", "--steps", "2", "--seq-len", "1024",
+               "--output-dir", str(tmp_path), "--no-export"])
+    assert "step 2/2" in out
+
+
+def test_python_trl_sft_one_process(tmp_path):
+    out = run([sys.executable, "examples/trl_sft.py", "--steps", "1", "--max-length", "512",
+               "--output-dir", str(tmp_path)])
+    assert "eval loss:" in out
