@@ -36,7 +36,7 @@ parser.add_argument("--max-length", type=int, default=2048, help="longest sequen
 parser.add_argument("--packing", action="store_true", help="TRL's bfd packing (documents train apart)")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--sp-size", type=int, default=None, help="default: every rank shares one sequence")
-parser.add_argument("--ds-config", default="ds_configs/zero3.json")
+parser.add_argument("--ds-config", default="zero3", help="a shipped config by name (zero3, ...) or a JSON path")
 parser.add_argument("--output-dir", default="runs/trl_sft")
 parser.add_argument("--lr", type=float, default=3e-3)
 args = parser.parse_args()
@@ -71,7 +71,7 @@ def load_rows(name: str | None) -> datasets.Dataset:
 init_distributed()  # deepspeed, torchrun, accelerate launch or plain python
 gpu = torch.cuda.is_available()
 dtype = torch.bfloat16 if gpu else torch.float32
-ds_config = load_deepspeed_config(args.ds_config)  # ds_configs/... found from any directory
+ds_config = load_deepspeed_config(args.ds_config)  # shipped names are found from any directory
 ds_config.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto")
 train = load_rows(args.dataset)
 sft_args = SFTConfig(

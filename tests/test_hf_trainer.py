@@ -243,7 +243,7 @@ def save_worker(rank, world, out):
     from ulysses_lc.hf_trainer import UlyssesTrainer
 
     ds = datasets.Dataset.from_dict({"input_ids": sequences()})
-    # _save writes weights only where ZeRO-3 gathers them for saving (ds_configs/zero3.json sets this too).
+    # _save writes weights only where ZeRO-3 gathers them for saving (the shipped zero3 config sets this too).
     config = {**DS, "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
     trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(out, 2, deepspeed=config, save_strategy="steps",
                                                                       save_steps=2), train_dataset=ds, sp_size=2)
