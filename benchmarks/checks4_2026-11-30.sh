@@ -19,9 +19,9 @@ with open("/tmp/c4/pc.jsonl", "w") as f:
 PY
 cd /tmp/c4
 for run in 1 2; do
-  torchrun --nproc_per_node 2 -m ulysses_lc.train --steps 3 > "$out/tiny_nccl_$run.txt" 2>&1; echo "exit $?" >> "$out/tiny_nccl_$run.txt"
+  torchrun --nproc_per_node 2 -m ulysses_lc.train --model tiny --steps 3 > "$out/tiny_nccl_$run.txt" 2>&1; echo "exit $?" >> "$out/tiny_nccl_$run.txt"
 done
-torchrun --nproc_per_node 2 -m ulysses_lc.train --data /tmp/c4/pc.jsonl --packing --seq-len 4096 --steps 3 \
+torchrun --nproc_per_node 2 -m ulysses_lc.train --model tiny --data /tmp/c4/pc.jsonl --packing --seq-len 4096 --steps 3 \
   > "$out/packed_nccl.txt" 2>&1; echo "exit $?" >> "$out/packed_nccl.txt"
 cd "$repo"
 for f in "$out"/*.txt; do echo "== $f"; grep -cE "Failed to recv|TCPStore" "$f"; grep -E "^step|exit|writing to|Error" "$f" | tail -5; done
