@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, apply_yarn, check_deepspeed_config, shard_batch
-from ulysses_lc.launch import init_distributed
+from ulysses_lc.launch import destroy_distributed, init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 
 SEQ_LEN = 4096
@@ -45,3 +45,4 @@ for step in range(3):
     engine.step()
     if layout.rank == 0:
         print(f"step {step + 1} | loss {loss.item():.4f} | valid tokens {int(model.last_num_tokens)}")
+destroy_distributed()  # every rank, at the end: a clean exit (NCCL would warn, gloo can abort at exit)

@@ -22,6 +22,8 @@ import time
 import traceback
 import warnings
 
+from ..launch import destroy_distributed
+
 GRACE_S = 3.0
 LOST_PEER_S = 20.0
 
@@ -45,7 +47,7 @@ def main(argv=None) -> None:
         from .loop import train
 
         train(cfg)
-        _destroy_process_group()
+        destroy_distributed()
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - every failure ends here, reported once
@@ -58,15 +60,6 @@ def _quiet_known_warnings() -> None:
     # per rank, and no user can act on it. Filtered by its text, so every other warning still shows.
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-
-
-def _destroy_process_group() -> None:
-    """End the process group cleanly: NCCL otherwise warns from the TCPStore of ranks still exiting."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears its store down while another still talks to it
-        dist.destroy_process_group()
 
 
 def _rank() -> int:
