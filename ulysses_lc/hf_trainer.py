@@ -312,10 +312,10 @@ class UlyssesTrainerMixin:
 
     def training_step(self, model, inputs, *args, **kwargs):
         if not self._planned:
-            self._plan_memory(inputs["input_ids"].shape[1] * self.layout.sp_size)
+            self._plan_memory(inputs["input_ids"].shape[1] * self.layout.sp_size, packed="cu_seqlens" in inputs)
         return super().training_step(model, inputs, *args, **kwargs)
 
-    def _plan_memory(self, batch_len: int) -> None:
+    def _plan_memory(self, batch_len: int, packed: bool = False) -> None:
         """memory.plan_step_memory for the longest sequence any rank trains (every rank must plan alike)."""
         device = self.args.device
         # On the device: NCCL reduces CUDA tensors only.
@@ -324,7 +324,7 @@ class UlyssesTrainerMixin:
         num_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
         wrapper = self.model
         plan = plan_step_memory(wrapper.shape, int(longest), self.layout, device, kernel=wrapper.attention.kernel,
-                                reserved_bytes=8 * num_params // self.layout.world_size)
+                                reserved_bytes=8 * num_params // self.layout.world_size, packed=packed)
         wrapper.use_plan(plan)
         self._planned = True
         if self.layout.rank == 0:
