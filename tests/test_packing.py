@@ -167,3 +167,12 @@ def test_packed_plans_no_kept_outputs():
     cpu = torch.device("cpu")
     assert plan_step_memory(shape, 64, layout, cpu, kernel="sdpa").cache_attention_layers == 2
     assert plan_step_memory(shape, 64, layout, cpu, kernel="sdpa", packed=True).cache_attention_layers == 0
+
+
+def test_document_lengths_from_restarting_positions():
+    from ulysses_lc import document_lengths_from_positions
+
+    assert document_lengths_from_positions(torch.tensor([0, 1, 2, 0, 1, 0])) == [3, 2, 1]
+    assert document_lengths_from_positions(torch.arange(6)) is None  # one run: nothing packed
+    with pytest.raises(ValueError, match="restart at 0"):
+        document_lengths_from_positions(torch.tensor([1, 2, 0, 1]))

@@ -39,7 +39,7 @@ from .model import SequenceParallelCausalLM
 from .recompute import LayerRun, RecomputeContext
 from .rmsnorm import install_efficient_rmsnorm
 from .shape import ModelShape
-from .sharding import ShardedBatch, shard_batch
+from .sharding import ShardedBatch, document_lengths_from_positions, shard_batch
 from .tiled_mlp import TiledMLP, install_tiled_mlp
 from .yarn import apply_yarn, load_model_for_length, yarn_rope_parameters
 
@@ -65,6 +65,7 @@ __all__ = [
     "check_deepspeed_config",
     "check_model_for_ulysses",
     "chunked_cross_entropy",
+    "document_lengths_from_positions",
     "install_checkpointing",
     "install_chunked_loss_head",
     "install_efficient_rmsnorm",

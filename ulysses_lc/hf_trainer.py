@@ -47,22 +47,12 @@ from .launch import init_distributed
 from .layout import ParallelLayout
 from .memory import plan_step_memory
 from .model import SequenceParallelCausalLM
-from .sharding import shard_batch
+from .sharding import document_lengths_from_positions, shard_batch
 
 logger = logging.getLogger(__name__)
 
 # Columns the sharding collate function reads; the Trainer's column filter keeps them.
 SEQUENCE_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids", "document_lengths")
-
-
-def _document_lengths_from_positions(position_ids_s: torch.Tensor) -> list[int] | None:
-    """Lengths of the runs of positions restarting at 0 (TRL's packing and padding_free), or None for one run."""
-    starts = (position_ids_s == 0).nonzero().flatten().tolist()
-    if starts == [0] and bool((position_ids_s == torch.arange(len(position_ids_s))).all()):
-        return None
-    if not starts or starts[0] != 0:
-        raise ValueError("position_ids must start at 0 and restart at 0 for each packed document.")
-    return [b - a for a, b in zip(starts, [*starts[1:], len(position_ids_s)])]
 
 
 class ShardingCollator:
@@ -100,7 +90,7 @@ class ShardingCollator:
             labels[:, valid:] = IGNORE_INDEX
         position_ids = batch.get("position_ids")
         if lengths is None and position_ids is not None:
-            lengths = _document_lengths_from_positions(position_ids.reshape(-1))
+            lengths = document_lengths_from_positions(position_ids.reshape(-1))
         sharded = shard_batch(input_ids, self.layout, labels=labels, pad_token_id=self.pad_token_id,
                               vocab_size=self.vocab_size, document_lengths=lengths)
         out = {"input_ids": sharded.input_ids, "labels": sharded.labels, "position_ids": sharded.position_ids}

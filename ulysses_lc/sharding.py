@@ -69,8 +69,9 @@ def _check_positions(position_ids_bs: torch.Tensor) -> None:
         raise ValueError(
             "position_ids are not one contiguous run per sequence (packed documents or gaps): the causal kernel "
             "would let packed documents attend to each other. Pass document_lengths=[...] to shard_batch (positions "
-            "then restart per document and attention stays inside each), or join documents into one causal "
-            "stream (EOS between them, positions 0..s-1)."
+            "then restart per document and attention stays inside each; document_lengths_from_positions() reads "
+            "them from positions restarting at 0), or join documents into one causal stream (EOS between them, "
+            "positions 0..s-1)."
         )
 
 
@@ -94,6 +95,17 @@ def _packed_positions_and_labels(lengths: list[int], labels_bs: torch.Tensor):
     labels_bs = labels_bs.clone()
     labels_bs[:, ends] = IGNORE_INDEX
     return position_ids.to(labels_bs.device), labels_bs
+
+
+def document_lengths_from_positions(position_ids_s: torch.Tensor) -> list[int] | None:
+    """Document lengths of one packed sequence given as positions restarting at 0 per document (TRL's packing and
+    padding_free write them so), for shard_batch(document_lengths=...); None for one run 0..s-1."""
+    starts = (position_ids_s == 0).nonzero().flatten().tolist()
+    if starts == [0] and bool((position_ids_s == torch.arange(len(position_ids_s))).all()):
+        return None
+    if not starts or starts[0] != 0:
+        raise ValueError("position_ids must start at 0 and restart at 0 for each packed document.")
+    return [b - a for a, b in zip(starts, [*starts[1:], len(position_ids_s)])]
 
 
 def shard_batch(
