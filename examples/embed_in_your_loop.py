@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, apply_yarn, check_deepspeed_config, shard_batch
-from ulysses_lc.launch import destroy_distributed, init_distributed
+from ulysses_lc.distributed import destroy_distributed, init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 
 SEQ_LEN = 4096

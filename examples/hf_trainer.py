@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, Trai
 
 from ulysses_lc import apply_yarn, build_token_stream, load_deepspeed_config, load_model_for_length
 from ulysses_lc.hf_trainer import UlyssesTrainer
-from ulysses_lc.launch import destroy_distributed, init_distributed
+from ulysses_lc.distributed import destroy_distributed, init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_tokenizer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

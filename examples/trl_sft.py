@@ -23,7 +23,7 @@ from trl import SFTConfig
 
 from ulysses_lc import apply_yarn, load_deepspeed_config, load_model_for_length
 from ulysses_lc.hf_trainer import UlyssesSFTTrainer
-from ulysses_lc.launch import destroy_distributed, init_distributed
+from ulysses_lc.distributed import destroy_distributed, init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

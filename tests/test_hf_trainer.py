@@ -181,7 +181,7 @@ def sft_worker(rank, world, sp_size, out, mode):
     from trl import SFTConfig
 
     from ulysses_lc.hf_trainer import UlyssesSFTTrainer
-    from ulysses_lc.launch import init_distributed
+    from ulysses_lc.distributed import init_distributed
     from ulysses_lc.tiny import tiny_tokenizer
 
     init_distributed()  # as a script does: zero.Init (from_config after the SFTConfig below) then sees both ranks

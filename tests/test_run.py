@@ -344,16 +344,16 @@ def test_main_destroys_the_process_group_at_exit():
 
 FAIL_SCRIPT = """
 import sys
-import ulysses_lc.train.launch as launch
+import ulysses_lc.train.cli as cli
 from ulysses_lc.train import CheckFailed
 
-launch.GRACE_S = launch.LOST_PEER_S = 0  # the waits let the launcher stop this rank first; none here
+cli.GRACE_S = cli.LOST_PEER_S = 0  # the waits let the launcher stop this rank first; none here
 errors = {"check": CheckFailed("--x is wrong; pass --y"), "bug": KeyError("boom"),
           "peer": RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")}
 try:
     raise errors[sys.argv[1]]
 except BaseException as e:
-    launch._fail(e)
+    cli._fail(e)
 """
 
 

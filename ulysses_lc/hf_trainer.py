@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .attention import check_model_for_ulysses
 from .constants import IGNORE_INDEX
 from .ds_config import check_deepspeed_config
-from .launch import init_distributed
+from .distributed import init_distributed
 from .layout import ParallelLayout
 from .memory import plan_step_memory
 from .model import SequenceParallelCausalLM

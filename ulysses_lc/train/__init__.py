@@ -3,22 +3,22 @@
   TrainConfig, parse_args    what one run trains, from code or the command line  (config.py)
   load_model_config, ...     config / tokenizer / weights from hub, folder, tiny (loading.py)
   lr_lambda                  warmup then constant / linear / cosine               (schedule.py)
-  check_output_dir, ...      output-dir policy, RNG, save and resume              (checkpoint.py)
+  check_output_dir, ...      output-dir policy, RNG, save and resume              (run_state.py)
   export_hf_model            consolidated Hugging Face model at the end           (export.py)
   preflight                  every cheap check, before any collective            (preflight.py)
   estimate_memory            predicted GPU and host bytes per rank               (estimate.py)
   RunLogger, startup_block   what the run prints                                  (console.py)
   train                      the loop                                             (loop.py)
   dry_run                    checks, plan and predicted memory, nothing loaded    (dry_run.py)
-  main                       the command line, with failures reported once       (launch.py)
+  main                       the command line, with failures reported once       (cli.py)
 """
 
-from .checkpoint import CHECKPOINT_DIR, RUN_FILE, check_output_dir
+from .run_state import CHECKPOINT_DIR, RUN_FILE, check_output_dir
 from .config import TINY, TINY_DEFAULTS, TrainConfig, build_parser, parse_args
 from .export import EXPORT_DIR, export_hf_model, gather_state_dict
 from .loading import load_model, load_model_config, load_tokenizer
 from .dry_run import dry_run
-from .launch import main
+from .cli import main
 from .loop import NonFiniteError, train
 from .preflight import CheckFailed, preflight
 from .schedule import lr_lambda

@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from ..data import build_token_stream, check_source
-from ..launch import init_distributed
+from ..distributed import init_distributed
 from ..layout import ParallelLayout
 from ..memory import MemoryPlan, plan_step_memory
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..sharding import shard_batch
-from .checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint, write_run_file
+from .run_state import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint, write_run_file
 from .config import TrainConfig
 from .console import RunLogger, layout_line, startup_block
 from .estimate import estimate_memory

@@ -2,7 +2,7 @@
 
 Each rank runs `preflight` on the same inputs (flags, files, model config), so a mistake raises the same
 `CheckFailed` on every rank before any process waits on another: rank 0 reports it and all exit
-(launch.main). Nothing is written by a refused run.
+(cli.main). Nothing is written by a refused run.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..data import parse_source
 from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
 from ..layout import ParallelLayout
 from ..yarn import apply_yarn
-from .checkpoint import check_output_dir, find_latest_run
+from .run_state import check_output_dir, find_latest_run
 from .config import TrainConfig
 from .loading import load_model_config
 

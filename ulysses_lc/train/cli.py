@@ -22,7 +22,7 @@ import time
 import traceback
 import warnings
 
-from ..launch import destroy_distributed
+from ..distributed import destroy_distributed
 
 GRACE_S = 3.0
 LOST_PEER_S = 20.0
