@@ -137,7 +137,7 @@ class ExchangeProfile:
         return wrapper
 
     def install(self):
-        from ulysses_lc import attention, exchange, kernels
+        from ulysses_lc import attention, exchange, explicit_attention as kernels
 
         for what, cls in (("exchange_qkv", exchange._QKVSeqToHeads), ("exchange_out", exchange._SeqAllToAll)):
             for method in ("forward", "backward"):

@@ -20,14 +20,10 @@ import torch
 from tests._dist import run_distributed
 from tests.test_sp_parity import assert_close, make_sequence, reference
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
-from ulysses_lc import kernels as attention_mod
+from ulysses_lc import explicit_attention as attention_mod
 from ulysses_lc.attention import UlyssesAttention
-from ulysses_lc.kernels import (
-    attention_backward_block_bytes,
-    attention_head_groups,
-    causal_attention,
-    explicit_attention,
-)
+from ulysses_lc.explicit_attention import attention_backward_block_bytes, attention_head_groups, explicit_attention
+from ulysses_lc.kernels import causal_attention
 
 GIB = 2**30
 _SP1 = SimpleNamespace(sp_size=1)  # all UlyssesAttention reads of a layout outside a call

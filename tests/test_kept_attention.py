@@ -17,7 +17,7 @@ from transformers import Qwen3Config
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
 from ulysses_lc import LayerRun, ParallelLayout, SequenceParallelCausalLM, shard_batch
-from ulysses_lc import kernels as attention_mod
+from ulysses_lc import explicit_attention as attention_mod
 from ulysses_lc.checkpointing import install_checkpointing
 from ulysses_lc.memory import MemoryPlan, plan_memory
 from ulysses_lc.shape import ModelShape

@@ -30,7 +30,7 @@ from .constants import IGNORE_INDEX
 from .data import TokenStream, build_token_stream
 from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .handle import Handle
-from .kernels import attention_head_groups
+from .explicit_attention import attention_head_groups
 from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, plan_memory, plan_step_memory

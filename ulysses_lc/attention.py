@@ -22,10 +22,11 @@ import torch
 
 from .exchange import heads_to_seq, qkv_seq_to_heads, replicate_kv_heads
 from .handle import Handle
-from .kernels import (
-    KERNELS, _ExplicitAttention, _check_groups, _flash_attn_func, attention_head_groups, causal_attention,
-    document_attention, explicit_attention, keeps_attention_outputs, resolve_kernel, valid_head_groups,
+from .explicit_attention import (
+    ExplicitAttention, attention_head_groups, check_head_groups, explicit_attention, keeps_attention_outputs,
+    valid_head_groups,
 )
+from .kernels import KERNELS, causal_attention, document_attention, flash_attn_func, resolve_kernel
 from .layout import ParallelLayout, check_heads
 from .recompute import LayerRun, RecomputeContext
 from .shape import ModelShape, text_config
@@ -62,7 +63,7 @@ def kept_output_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, run: Lay
         # Drop the run's references: the graph (and with it the run) can outlive the backward, e.g. while a
         # loop holds its last loss into the next forward, and a device-kept output would stay.
         run.kept_attention = None
-        return _ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, len(aux), kept, None)
+        return ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, len(aux), kept, None)
     sink = []
     out = explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel, groups, sink)
     if out is not None:
@@ -95,7 +96,7 @@ class UlyssesAttention:
             raise ValueError(f"head_groups must be 'auto' or an int >= 1, got {head_groups!r}.")
         kernel = resolve_kernel(kernel)
         if kernel.startswith("flash"):
-            _flash_attn_func(kernel)  # fail now, not at the first layer
+            flash_attn_func(kernel)  # fail now, not at the first layer
             if head_groups not in ("auto", 1):
                 raise ValueError(
                     f"head_groups={head_groups} needs a kernel whose forward and backward we call ourselves "
@@ -148,7 +149,7 @@ class UlyssesAttention:
         if not keeps_attention_outputs(self.kernel) or not torch.is_grad_enabled():
             return 1
         if self.head_groups != "auto":
-            _check_groups(q_bhsd, k_bhsd, self.head_groups)
+            check_head_groups(q_bhsd, k_bhsd, self.head_groups)
             return self.head_groups
         if q_bhsd.device.type != "cuda":
             return 1

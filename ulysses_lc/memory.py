@@ -20,7 +20,7 @@ import torch
 from .checkpointing import checkpointed_input_bytes_per_token
 from .attention import kept_output_bytes_per_token
 from .chunked_loss import loss_head_bytes
-from .kernels import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
+from .explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
 from .layout import ParallelLayout
 from .shape import ModelShape
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..kernels import valid_head_groups
+from ..explicit_attention import valid_head_groups
+from ..kernels import KERNELS
 from .schedule import SCHEDULES
 
 TINY = "tiny"
-KERNELS = ("auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass

@@ -1,0 +1,246 @@
+"""Causal attention called as SDPA's forward and backward ops, one backend at a time: kept outputs and head groups.
+
+Legend: shape.py. Same inputs as kernels.py (q [b, h_local, s, d], k, v [b, h_kv_local, s, d] after the
+Ulysses exchange); communicates nothing.
+  explicit_attention     SDPA's own cuDNN / FLASH / CPU-flash forward and backward ops called directly, so the
+                         forward's output can be kept for a checkpoint recompute (attention.py) and the kernel
+                         can run over groups of heads (its backward block, one group at a time)
+  ExplicitAttention      the autograd Function behind it; attention.kept_output_attention replays a kept output
+  attention_head_groups  how many head groups keep that block under a target; the planner reads the same sizes
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+# ---- attention whose output the forward keeps, so the checkpoint recompute skips the kernel ----
+#
+# Inside a checkpointed layer (checkpointing.py) the recompute runs the layer forward again, attention kernel
+# included, only to rebuild what the attention backward reads: q, k, v (cheap: projections and RoPE), the
+# output and the softmax log-sum-exp (the whole kernel). With `cache_attention_layers` the forward keeps
+# the output and log-sum-exp (2q + 4 x heads bytes per token, offloaded with the layer input) and the
+# recompute hands them back (attention.kept_output_attention) instead of running the kernel. This needs the kernel's forward and backward
+# as separate calls, so we call SDPA's aten ops directly: the same ops, with the same arguments, that
+# F.scaled_dot_product_attention's autograd uses for the cuDNN / FLASH backends (and the CPU flash
+# kernel), hence the same numbers, bitwise.
+
+def _cudnn_forward(q, k, v, scale):
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    return r[0], r[1], tuple(r[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, aux, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+    )
+
+
+def _flash_forward(q, k, v, scale):
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    return r[0], r[1], tuple(r[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
+
+
+def _flash_backward(dout, q, k, v, out, lse, aux, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+    )
+
+
+def _cpu_forward(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(dout, q, k, v, out, lse, aux, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, True, scale=scale
+    )
+
+
+_EXPLICIT = {
+    "cudnn": (_cudnn_forward, _cudnn_backward),
+    "flash": (_flash_forward, _flash_backward),
+    "cpu": (_cpu_forward, _cpu_backward),
+}
+_REFUSED: set = set()  # (backend, dtype, head_dim, gqa) that raised once: not tried again
+_LOGGED: set = set()
+
+
+# CUDA backends for the kept-output path per `kernel`, in the order F.scaled_dot_product_attention would try
+# them under our priority; flash-attn kernels have no separate forward/backward ops to call.
+_KEPT_BACKENDS = {"cudnn": ("cudnn", "flash"), "auto": ("cudnn", "flash"), "sdpa": ("flash",)}
+
+
+def keeps_attention_outputs(kernel: str) -> bool:
+    """Whether checkpointed layers can keep their attention output with this `kernel` (see the note above)."""
+    return kernel in _KEPT_BACKENDS
+
+
+def _explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
+    """Backends for the kept-output path on q's device."""
+    if not keeps_attention_outputs(kernel):
+        return ()
+    if q.device.type == "cpu":
+        return ("cpu",)
+    return _KEPT_BACKENDS[kernel] if q.device.type == "cuda" else ()
+
+
+# ---- the kernel over groups of heads: its own working memory, one group at a time ----
+#
+# At long sequence the peak of a step is one layer's backward, and the attention backward is its largest
+# part. Besides out, dq, dk and dv, cuDNN's backward holds one block of its own: an fp32 dq accumulator and,
+# for GQA, dk and dv at all query heads before they are summed to the kv heads, (4 + 4 * gqa) * h * s * d
+# bytes: 4 GiB at 256k tokens for Qwen3-0.6B's 16 x 128 heads, 32 GiB at 2M (measured: BENCHMARKS.md F;
+# torch's FLASH backend holds more). Heads are independent, so the kernel can run over groups of whole kv
+# heads (each with its query heads) one after another: that block shrinks by the group count. Outputs and
+# gradients are written into full-size tensors; each group's own (1/G of them) is transient. The numbers are
+# the kernel's own per head: bitwise equal to one call over all heads on CPU (tests); cuDNN's backward is
+# not deterministic run to run (atomic dq accumulation), and the groups stay within that spread (GPU test).
+# Groups of whole kv heads keep every kv head's gradient inside one call: splitting the query heads that
+# share a kv head would add partial dk, dv sums in another order. Under Ulysses a rank holds h_kv / sp kv
+# heads (at least one), so the groups are divisors of that.
+
+# The per-group block we aim for: the size of the loss head's chunk, far below one layer's activations at
+# the lengths where it matters.
+_ATTENTION_BLOCK_TARGET_BYTES = 1 << 30
+
+
+def attention_backward_block_bytes(seq: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of the block the cuDNN attention backward holds besides out, dq, dk, dv, all heads in one call
+    (fp32 dq accumulator; for GQA also bf16 dk and dv at every query head)."""
+    return (4 + (4 if kv_heads != heads else 0)) * heads * seq * head_dim
+
+
+def attention_head_groups(
+    seq: int, heads: int, kv_heads: int, head_dim: int, target_bytes: int = _ATTENTION_BLOCK_TARGET_BYTES
+) -> int:
+    """How many groups of whole kv heads to run the attention kernel over, one at a time: the fewest whose
+    per-group backward block is at most `target_bytes`, or one per kv head when even that is larger.
+    `heads` and `kv_heads` are what one rank runs (after the Ulysses exchange)."""
+    block = attention_backward_block_bytes(seq, heads, kv_heads, head_dim)
+    for groups in range(1, kv_heads + 1):
+        if kv_heads % groups == 0 and block <= target_bytes * groups:
+            return groups
+    return kv_heads
+
+
+def valid_head_groups(value) -> bool:
+    """Whether `value` is a head-group setting: "auto" or an int >= 1 (not a bool)."""
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def check_head_groups(q, k, groups: int) -> None:
+    if groups < 1 or k.shape[1] % groups or q.shape[1] % groups:
+        raise ValueError(
+            f"head_groups={groups} must divide this rank's kv heads ({k.shape[1]}) and query heads "
+            f"({q.shape[1]}); pick a divisor of {k.shape[1]}, or head_groups='auto'."
+        )
+
+
+def _grouped_forward(backend, q, k, v, scale, groups):
+    """(out, lse, per-group aux) of the backend's forward over `groups` head groups; lse is the kernel's own
+    for one group, [groups, b, h / groups, s] for more."""
+    fwd = _EXPLICIT[backend][0]
+    if groups == 1:
+        out, lse, aux = fwd(q, k, v, scale)
+        return out, lse, (aux,)
+    gq, gk = q.shape[1] // groups, k.shape[1] // groups
+    out = lse = None
+    auxes = []
+    for g in range(groups):
+        sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
+        out_g, lse_g, aux = fwd(q[:, sq], k[:, sk], v[:, sk], scale)
+        if out is None:
+            # out in q's layout (empty_like keeps q's strides); the backward ops read out and dout through
+            # their strides. lse is kept group-major, [groups, b, h / groups, s]: FLASH's backward reads the
+            # log-sum-exp as a contiguous [b, h, s] block whatever its strides, so a head slice of one
+            # [b, h, s] tensor would hand it another head's values from the second sequence on.
+            out = torch.empty_like(q, dtype=out_g.dtype)
+            lse = lse_g.new_empty(groups, *lse_g.shape)
+        out[:, sq].copy_(out_g)
+        lse[g].copy_(lse_g)
+        auxes.append(aux)
+        del out_g, lse_g
+    return out, lse, tuple(auxes)
+
+
+def _grouped_backward(backend, dout, q, k, v, out, lse, auxes, scale):
+    bwd = _EXPLICIT[backend][1]
+    groups = len(auxes)
+    if groups == 1:
+        return bwd(dout, q, k, v, out, lse, auxes[0], scale)
+    gq, gk = q.shape[1] // groups, k.shape[1] // groups
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for g, aux in enumerate(auxes):
+        sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
+        dq_g, dk_g, dv_g = bwd(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[g], aux, scale)
+        dq[:, sq].copy_(dq_g)
+        dk[:, sk].copy_(dk_g)
+        dv[:, sk].copy_(dv_g)
+        del dq_g, dk_g, dv_g
+    return dq, dk, dv
+
+
+class ExplicitAttention(torch.autograd.Function):
+    """Causal attention through one explicit backend, over `groups` head groups. kept None: run the kernel
+    forward and put its (out, lse, aux) in `sink`; kept = (out, lse, aux): return them without running it.
+    Backward: the backend's backward op from the saved q, k, v, out, lse, group by group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, backend, groups, kept, sink):
+        if kept is None:
+            out, lse, aux = _grouped_forward(backend, q, k, v, scale, groups)
+            sink.append((out.detach(), lse, aux))
+        else:
+            out, lse, aux = kept
+            out = out.detach()  # a fresh tensor object: this node becomes its grad_fn
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.backend, ctx.aux = scale, backend, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _grouped_backward(ctx.backend, dout, q, k, v, out, lse, ctx.aux, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int = 1, sink: list | None = None):
+    """Causal attention through the first explicit backend (cuDNN, FLASH, CPU flash) that takes this shape,
+    over `groups` head groups; None when none does (the caller runs `causal_attention`). With a `sink`, the
+    backend name and the kernel's (out, lse, aux) are appended to it."""
+    check_head_groups(q_bhsd, k_bhsd, groups)
+    for backend in _explicit_backends(q_bhsd, kernel):
+        key = (backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
+        if key in _REFUSED:
+            continue
+        got = []
+        try:
+            out = ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, groups, None, got)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            _REFUSED.add(key)
+            logger.warning("explicit attention: backend %s refused %s (%s); trying the next one", backend,
+                           tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
+            continue
+        if sink is not None:
+            sink.append((backend, *got[0]))
+        if (key, groups) not in _LOGGED:
+            _LOGGED.add((key, groups))
+            logger.info("attention: %s kernel called directly, %d head group(s)", backend, groups)
+        return out
+    return None
+
+
+__all__ = [
+    "ExplicitAttention", "attention_backward_block_bytes", "attention_head_groups", "check_head_groups",
+    "explicit_attention", "keeps_attention_outputs", "valid_head_groups",
+]
