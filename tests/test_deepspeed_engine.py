@@ -12,6 +12,7 @@ from tests._dist import run_distributed
 from tests.models import VOCAB, build
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
 from ulysses_lc.ds_config import check_deepspeed_config
+from ulysses_lc.tiled_mlp import plain_parameter_name
 
 STEPS = 3
 CONFIG = {
@@ -45,7 +46,7 @@ def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family
         loss = engine(**batch.as_kwargs())
         engine.backward(loss)
         if grads is None:  # collective: every rank gathers every gradient
-            grads = {name.replace(".mlp.mlp.", ".mlp."): safe_get_full_grad(p).clone()
+            grads = {plain_parameter_name(name): safe_get_full_grad(p).clone()
                      for name, p in engine.module.named_parameters()}
         engine.step()
         losses.append(loss.item())

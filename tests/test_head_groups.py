@@ -24,6 +24,7 @@ from ulysses_lc import explicit_attention as attention_mod
 from ulysses_lc.attention import UlyssesAttention
 from ulysses_lc.explicit_attention import attention_backward_block_bytes, attention_head_groups, explicit_attention
 from ulysses_lc.kernels import causal_attention
+from ulysses_lc.tiled_mlp import plain_parameter_name
 
 GIB = 2**30
 _SP1 = SimpleNamespace(sp_size=1)  # all UlyssesAttention reads of a layout outside a call
@@ -143,15 +144,17 @@ def _has_flash_attn():
 
 def test_the_training_plan_counts_groups_only_where_the_kernel_runs_them():
     from ulysses_lc import ModelShape
-    from ulysses_lc.memory import planned_head_groups
+    from ulysses_lc.memory import attention_policy
     from tests.models import tiny_config
 
     shape = ModelShape.from_config(tiny_config("qwen3"))
-    assert planned_head_groups(shape, "auto", "auto") == "auto"
-    assert planned_head_groups(shape, "sdpa", 2) == 2
+    assert attention_policy(shape, "auto", "auto") == (True, "auto")
+    assert attention_policy(shape, "sdpa", 2) == (True, 2)
     # flash-attn kernels run over all heads at once; attention dropout takes the plain SDPA path.
-    assert planned_head_groups(shape, "flash_attention_2", "auto") == 1
-    assert planned_head_groups(ModelShape.from_config(tiny_config("qwen3", attention_dropout=0.1)), "auto", 4) == 1
+    assert attention_policy(shape, "flash_attention_2", "auto") == (False, 1)
+    assert attention_policy(ModelShape.from_config(tiny_config("qwen3", attention_dropout=0.1)), "auto", 4) == (False, 1)
+    # Packed documents: attention per document keeps no outputs and runs over all heads at once.
+    assert attention_policy(shape, "auto", 4, packed=True) == (False, 1)
 
 
 def _grouped_worker(rank, world_size, overrides, levers, input_ids, labels):
@@ -173,7 +176,7 @@ def _grouped_worker(rank, world_size, overrides, levers, input_ids, labels):
     finally:
         attention_mod._EXPLICIT["cpu"] = (fwd, bwd)
     reduce_gradients(model.parameters(), layout)
-    grads = {n.replace(".mlp.mlp.", ".mlp."): p.grad for n, p in model.model.named_parameters() if p.grad is not None}
+    grads = {plain_parameter_name(n): p.grad for n, p in model.model.named_parameters() if p.grad is not None}
     return loss.item(), grads, calls["n"]
 
 

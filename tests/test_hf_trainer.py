@@ -12,6 +12,7 @@ import torch
 
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
+from ulysses_lc.tiled_mlp import plain_parameter_name
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -43,7 +44,7 @@ def first_step_grads(record):
 
     def step(engine, *args, **kwargs):
         if "grads" not in record:  # collective: every rank gathers every gradient
-            record["grads"] = {n.replace(".mlp.mlp.", ".mlp."): safe_get_full_grad(p).clone()
+            record["grads"] = {plain_parameter_name(n): safe_get_full_grad(p).clone()
                                for n, p in engine.module.named_parameters()}
         return original(engine, *args, **kwargs)
 
@@ -99,6 +100,35 @@ def test_trainer_evaluate_is_the_plain_loss(tmp_path):
     ref = sum(plain_losses()[:2]) / 2
     for loss in run_distributed(trainer_worker, 2, 2, str(tmp_path), 1, "eval"):
         assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
+
+
+def planning_worker(rank, world, out, levers_list):
+    """The Trainer path's plan for each of `levers_list`, with the CUDA branch of the planner on given free memory
+    (room for the working set and one layer input)."""
+    import datasets
+
+    from ulysses_lc import memory, model as model_mod
+    from ulysses_lc.hf_trainer import UlyssesTrainer
+
+    real = model_mod.plan_step_memory
+    model_mod.plan_step_memory = lambda shape, n, layout, device, **kw: real(shape, n, layout, torch.device("cuda"), **kw)
+    results = []
+    for i, levers in enumerate(levers_list):
+        trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(f"{out}/{i}", 1), sp_size=1, levers=levers,
+                                 train_dataset=datasets.Dataset.from_dict({"input_ids": sequences()}))
+        wrapper, seq = trainer.model, 1 << 20
+        working, _, per_input, _ = memory._layer_bytes(wrapper.shape, seq, 1, "auto", True, True)
+        memory.measure_free_memory = lambda device, layout: ((working + per_input) / 0.8 + 1, 1 << 40)
+        trainer._plan_memory(seq)
+        results.append((wrapper.plan, wrapper.checkpointing.offload))
+    return results
+
+
+def test_trainer_plans_no_host_offload_when_its_levers_turn_offload_off(tmp_path):
+    (off, on), = run_distributed(planning_worker, 1, str(tmp_path), [{"offload": False}, {}])
+    (plan, offload), (plan_on, offload_on) = off, on
+    assert not offload and plan.recompute_layers > 0 and plan.keep_on_gpu == plan.recompute_layers, plan
+    assert offload_on and plan_on.keep_on_gpu < plan_on.recompute_layers, plan_on  # the same memory, offloading
 
 
 def test_trainer_checkpoint_resumes_the_same_trajectory(tmp_path):
@@ -250,7 +280,7 @@ def save_worker(rank, world, out):
     trainer.train()
     hf_model = trainer.model.model
     with deepspeed.zero.GatheredParameters(list(hf_model.parameters())):
-        weights = {n.replace(".mlp.mlp.", ".mlp."): p.detach().clone() for n, p in hf_model.named_parameters()}
+        weights = {plain_parameter_name(n): p.detach().clone() for n, p in hf_model.named_parameters()}
     return weights
 
 

@@ -15,7 +15,7 @@ from transformers import Qwen3Config
 
 from ulysses_lc import MemoryPlan, ModelShape
 from ulysses_lc.memory import plan_bytes
-from ulysses_lc.train.estimate import zero3_state_bytes
+from ulysses_lc.memory import zero3_state_bytes
 
 SHAPE = ModelShape.from_config(Qwen3Config(
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

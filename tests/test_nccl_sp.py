@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from ulysses_lc.tiled_mlp import plain_parameter_name
 
 LOSS_RTOL = 2e-3
 GRAD_RTOL = 3e-2
@@ -55,7 +56,7 @@ def _step(sp_size, input_ids, device, dtype):
     loss = model(**batch.as_kwargs())
     loss.backward()
     reduce_gradients(model.parameters(), layout)
-    grads = {name.replace(".mlp.mlp.", ".mlp."): p.grad.float()
+    grads = {plain_parameter_name(name): p.grad.float()
              for name, p in model.model.named_parameters() if p.grad is not None}
     return loss.item(), grads, model.checkpointing.host_bytes
 

@@ -13,6 +13,7 @@ from tests._dist import run_distributed
 from tests.models import VOCAB, build
 from tests.test_sp_parity import assert_close
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
+from ulysses_lc.tiled_mlp import plain_parameter_name
 
 # 48 tokens over sp 4 -> shards of 12: document 0 (17) crosses the first border, document 1 (5) is shorter than a
 # shard, document 2 is one token, document 3 (25) crosses two borders.
@@ -51,7 +52,7 @@ def packed_worker(rank, world_size, docs, levers, ignore_first=0):
     loss = model(**batch.as_kwargs())
     loss.backward()
     reduce_gradients(model.parameters(), layout)
-    grads = {n.replace(".mlp.mlp.", ".mlp."): p.grad for n, p in model.model.named_parameters() if p.grad is not None}
+    grads = {plain_parameter_name(n): p.grad for n, p in model.model.named_parameters() if p.grad is not None}
     return loss.item(), grads
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
+from ulysses_lc.tiled_mlp import plain_parameter_name
 
 PIN = Path(__file__).parent / "data" / "parity_pin.pt"
 LEVERS_SP2 = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True)
@@ -37,7 +38,7 @@ def _run(model, layout, ids, labels):
     loss = model(**shard_batch(ids, layout, labels=labels).as_kwargs())
     loss.backward()
     reduce_gradients(model.parameters(), layout)
-    grads = {n.replace(".mlp.mlp.", ".mlp."): p.grad.clone()
+    grads = {plain_parameter_name(n): p.grad.clone()
              for n, p in model.model.named_parameters() if p.grad is not None}
     return loss.detach().clone(), grads
 

@@ -12,6 +12,7 @@ import torch
 from tests._dist import run_distributed
 from tests.models import VOCAB, build
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
+from ulysses_lc.tiled_mlp import plain_parameter_name
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -139,5 +140,5 @@ def _levers_worker(rank, world_size, family, overrides, levers, input_ids, label
     loss.backward()
     reduce_gradients(model.parameters(), layout)
     grads = {name: p.grad for name, p in model.model.named_parameters() if p.grad is not None}
-    grads = {name.replace(".mlp.mlp.", ".mlp."): g for name, g in grads.items()}
+    grads = {plain_parameter_name(name): g for name, g in grads.items()}
     return loss.item(), grads, model.checkpointing.host_bytes

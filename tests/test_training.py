@@ -10,6 +10,7 @@ import torch
 from tests._dist import run_distributed
 from ulysses_lc.tiny import tiny_model_config
 from ulysses_lc.train import EXPORT_DIR, TrainConfig, parse_args, train
+from ulysses_lc.model import SequenceParallelCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
 
@@ -84,7 +85,7 @@ def test_train_resume_export(tmp_path):
     assert rope["rope_type"] == "yarn" and rope["factor"] == 2.0  # 2048 tokens on a 1024-token model
     reference = AutoModelForCausalLM.from_config(apply_yarn(tiny_model_config(), cfg.seq_len), dtype=torch.float32)
     state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "run" / "checkpoints"))
-    state = {k.removeprefix("model.").replace(".mlp.mlp.", ".mlp."): v for k, v in state.items()}
+    state = {SequenceParallelCausalLM.plain_name(k): v for k, v in state.items()}
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])  # tied
     reference.load_state_dict(state)
     ids = torch.randint(0, 256, (1, 64))

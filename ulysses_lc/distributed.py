@@ -61,4 +61,11 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
-__all__ = ["default_backend", "destroy_distributed", "init_distributed", "single_process_defaults"]
+def world_size() -> int:
+    """Ranks in this job: the process group's, else the launcher's WORLD_SIZE, else 1 (no process group needed)."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+__all__ = ["default_backend", "destroy_distributed", "init_distributed", "single_process_defaults", "world_size"]

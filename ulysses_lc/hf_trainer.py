@@ -15,7 +15,7 @@ What the subclass changes, each through the Trainer's own overridable methods:
   - DeepSpeed: `deepspeed.initialize` gets `layout.mpu` (accelerate passes an mpu only on its own sequence-parallel
     path, which would install DeepSpeed's attention; so for the span of train/evaluate/predict the function is
     wrapped to add ours, and `train_batch_size` is counted over the DP axis as DeepSpeed then expects);
-  - the memory plan: `memory.plan_step_memory` at the first training step, once ZeRO-3 has allocated its
+  - the memory plan: `SequenceParallelCausalLM.plan_step` at the first training step, once ZeRO-3 has allocated its
     partitions;
   - the loss: the wrapper's loss, already the mean over the sequence's valid tokens on every SP rank; logs and
     `evaluate()` average it over ranks, so they report the sequence loss, not sp_size times it.
@@ -42,10 +42,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .attention import check_model_for_ulysses
 from .constants import IGNORE_INDEX
+from .data import pad_token_id
 from .ds_config import check_deepspeed_config
 from .distributed import init_distributed
 from .layout import ParallelLayout
-from .memory import plan_step_memory
 from .model import SequenceParallelCausalLM
 from .sharding import document_lengths_from_positions, shard_batch
 
@@ -261,9 +261,7 @@ class UlyssesTrainerMixin:
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description=description)
         tokenizer = getattr(self, "processing_class", None)
-        pad_id = getattr(tokenizer, "pad_token_id", None)
-        collate = ShardingCollator(self.data_collator, self.layout, self.model.config.vocab_size,
-                                   pad_id if pad_id is not None else 0)
+        collate = ShardingCollator(self.data_collator, self.layout, self.model.config.vocab_size, pad_token_id(tokenizer))
         params = dict(batch_size=1, collate_fn=collate, num_workers=self.args.dataloader_num_workers,
                       pin_memory=self.args.dataloader_pin_memory)
         if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -306,16 +304,13 @@ class UlyssesTrainerMixin:
         return super().training_step(model, inputs, *args, **kwargs)
 
     def _plan_memory(self, batch_len: int, packed: bool = False) -> None:
-        """memory.plan_step_memory for the longest sequence any rank trains (every rank must plan alike)."""
+        """The wrapper's plan_step for the longest sequence any rank trains (every rank must plan alike)."""
         device = self.args.device
         # On the device: NCCL reduces CUDA tensors only.
         longest = torch.tensor([max(self.seq_len or 0, batch_len)], dtype=torch.int64, device=device)
         torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=self.layout.world_group)
-        num_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
         wrapper = self.model
-        plan = plan_step_memory(wrapper.shape, int(longest), self.layout, device, kernel=wrapper.attention.kernel,
-                                reserved_bytes=8 * num_params // self.layout.world_size, packed=packed)
-        wrapper.use_plan(plan)
+        wrapper.use_plan(wrapper.plan_step(int(longest), device, packed=packed))
         self._planned = True
         if self.layout.rank == 0:
             logger.info("ulysses_lc memory plan for %d tokens: %s", int(longest), wrapper.checkpointing.report())
@@ -329,8 +324,7 @@ class UlyssesTrainerMixin:
         wrapper = self.model
         if state_dict is None:
             state_dict = wrapper.state_dict()
-        # Names under the wrapper and the tiled MLP -> the plain model's names.
-        hf_state = {k.removeprefix("model.").replace(".mlp.mlp.", ".mlp."): v for k, v in state_dict.items()}
+        hf_state = wrapper.plain_state_dict(state_dict)
         if hf_state:
             wrapper.model.save_pretrained(output_dir, state_dict=hf_state)
         if self.processing_class is not None:

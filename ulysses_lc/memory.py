@@ -5,9 +5,11 @@ It sits above the levers: each lever states its own bytes next to its own consta
 (`checkpointing.checkpointed_input_bytes_per_token`, `attention.kept_output_bytes_per_token`,
 `kernels.attention_backward_block_bytes`, `chunked_loss.loss_head_bytes`); this module adds what a decoder
 layer's activations cost and chooses. One shape (`shape.ModelShape`), one function (`plan_memory`), one
-named result (`MemoryPlan`), which `SequenceParallelCausalLM` takes (`plan=` or `use_plan`). The training
-path and the benchmarks both get theirs from `plan_step_memory`, which measures free device and host memory
-on every rank once ZeRO-3 has allocated its partitions (before that it can only be guessed).
+named result (`MemoryPlan`), which `SequenceParallelCausalLM` takes (`plan=` or `use_plan`). Every driver
+(main job, Trainer path, benchmarks) gets its plan from `SequenceParallelCausalLM.plan_step`, which calls
+`plan_step_memory`: free device and host memory measured on every rank once ZeRO-3 has allocated its
+partitions (before that it can only be guessed). The dry run plans from the config alone with the same
+policy (`attention_policy`) and the same per-parameter state bytes (`zero3_state_bytes`).
 """
 
 from __future__ import annotations
@@ -170,15 +172,43 @@ def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: in
     return int(device), int(host)
 
 
+# ZeRO-3's state per parameter: bf16 param (2) + fp32 master (4) + fp32 grad (4) + AdamW's two fp32 moments (8).
+PARAM_BYTES, MASTER_AND_GRAD_BYTES, ADAM_MOMENT_BYTES = 2, 8, 8
+
+
+def zero3_state_bytes(num_params: int, world_size: int, ds_config: dict) -> tuple[int, int]:
+    """(device, host) bytes per rank of ZeRO-3's partitioned state, all of it partitioned over `world_size`;
+    offload_optimizer moves the fp32 master, grads and moments to the host, offload_param the bf16 params too."""
+    zero = ds_config.get("zero_optimization", {})
+    per_rank = -(-num_params // world_size)
+    off_opt = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
+    off_param = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
+    param, optim = PARAM_BYTES * per_rank, (MASTER_AND_GRAD_BYTES + ADAM_MOMENT_BYTES) * per_rank
+    return (0 if off_param else param) + (0 if off_opt else optim), (param if off_param else 0) + (optim if off_opt else 0)
+
+
+def optimizer_reserved_bytes(trainable_params: int, world_size: int) -> int:
+    """What AdamW's moments will take per rank at the first step, not yet allocated when a run plans before it:
+    8 bytes per trainable parameter, partitioned over all ranks."""
+    return ADAM_MOMENT_BYTES * trainable_params // world_size
+
+
+def attention_policy(shape: ModelShape, kernel: str, head_groups: int | str = "auto",
+                     packed: bool = False) -> tuple[bool, int | str]:
+    """(whether checkpointed layers may keep their attention output, the head groups the plan counts on): the
+    one rule the plan, the dry run and the start-up estimate share.
+
+    Kept outputs and head groups need a kernel we call ourselves (an SDPA one) and no dropout. Packed documents
+    run their attention per document (kernels.document_attention): no kept outputs, so none are planned (their
+    memory goes to layers that skip the recompute), and no head groups, so the kernel's backward block is
+    reserved whole (the per-document and variable-length kernels hold at most that)."""
+    ours = can_keep_attention(shape, kernel)
+    return ours and not packed, head_groups if ours and not packed else 1
+
+
 def can_keep_attention(shape: ModelShape, kernel: str) -> bool:
     """Kept attention outputs and head groups need a kernel we call ourselves (an SDPA one) and no dropout."""
     return keeps_attention_outputs(kernel) and shape.attention_dropout == 0.0
-
-
-def planned_head_groups(shape: ModelShape, kernel: str, head_groups: int | str) -> int | str:
-    """The head groups a plan may count on: the kernel runs over groups only where we call it ourselves (the
-    same condition as kept outputs); else one call, whose whole backward block the plan must reserve."""
-    return head_groups if can_keep_attention(shape, kernel) else 1
 
 
 def measure_free_memory(device: torch.device, layout: ParallelLayout) -> tuple[int, int]:
@@ -203,22 +233,19 @@ def plan_step_memory(
     head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0, packed: bool = False,
 ) -> MemoryPlan:
     """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
-    allocated (e.g. AdamW's two fp32 moments before the first step: 8 bytes per parameter over the ranks
-    that partition them). Collective on CUDA. Without CUDA: every layer checkpointed and offloaded, attention
-    outputs kept where the kernel allows (on a CPU that only exercises the paths). packed: the steps train
-    packed documents, whose attention runs per document (kernels.document_attention): no kept outputs, so none
-    are planned (their memory goes to layers that skip the recompute), and no head groups, so the kernel's
-    backward block is reserved whole (the per-document and variable-length kernels hold at most that)."""
-    keep_attention = can_keep_attention(shape, kernel) and not packed
+    allocated (`optimizer_reserved_bytes` before the first step). Collective on CUDA. Without CUDA: every layer
+    checkpointed and offloaded, attention outputs kept where the kernel allows (on a CPU that only exercises
+    the paths). packed: the steps train packed documents (`attention_policy`). Drivers call it through
+    `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload."""
+    keep_attention, groups = attention_policy(shape, kernel, head_groups, packed)
     if device.type != "cuda":
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
     device_free, host_free = measure_free_memory(device, layout)
     return plan_memory(
         shape, seq_len, device_free - reserved_bytes, sp_size=layout.sp_size, host_free_bytes=host_free,
-        offload=offload, keep_attention=keep_attention,
-        head_groups=1 if packed else planned_head_groups(shape, kernel, head_groups),
+        offload=offload, keep_attention=keep_attention, head_groups=groups,
     )
 
 
-__all__ = ["MemoryPlan", "can_keep_attention", "measure_free_memory", "plan_bytes", "plan_memory",
-           "plan_step_memory", "planned_head_groups"]
+__all__ = ["MemoryPlan", "attention_policy", "can_keep_attention", "measure_free_memory", "optimizer_reserved_bytes",
+           "plan_bytes", "plan_memory", "plan_step_memory", "zero3_state_bytes"]

@@ -19,11 +19,11 @@ from .chunked_loss import ChunkedLossHead, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
-from .memory import MemoryPlan
+from .memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
 from .recompute import RecomputeContext
 from .rmsnorm import install_efficient_rmsnorm
 from .shape import ModelShape
-from .tiled_mlp import install_tiled_mlp
+from .tiled_mlp import install_tiled_mlp, plain_parameter_name
 
 
 def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
@@ -53,8 +53,8 @@ class SequenceParallelCausalLM(nn.Module):
         (and tensors under `min_offload_bytes`).
       plan: a memory.MemoryPlan (which layers are checkpointed, keep their input on the device, keep their
         attention output). None: every layer checkpointed and offloaded, no kept outputs (the least device
-        memory). `use_plan` changes it between steps; the training path plans once ZeRO-3 has allocated its
-        partitions (memory.plan_step_memory).
+        memory). `use_plan` changes it between steps; `plan_step` makes one from the memory free once ZeRO-3
+        has allocated its partitions.
       efficient_norm: RMSNorms save their bf16 input instead of fp32 copies (rmsnorm.py).
       attention_head_groups: run the attention kernel over this many groups of kv heads one after another,
         so its backward's own working block exists one group at a time ("auto": the fewest groups that keep
@@ -86,6 +86,7 @@ class SequenceParallelCausalLM(nn.Module):
         self.model = model
         self.layout = layout
         self.shape = ModelShape.from_config(model.config)
+        self.offload = offload and checkpointing
         self.last_num_tokens = None
         self.levers = []
         context = RecomputeContext()
@@ -110,6 +111,44 @@ class SequenceParallelCausalLM(nn.Module):
             )
             self.levers.append(self.checkpointing)
         self.plan = plan
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Parameters of the wrapped model, each counted once, whole also when ZeRO-3 has partitioned it."""
+        params = {id(p): p for p in self.model.parameters() if p.requires_grad or not trainable_only}
+        return sum(getattr(p, "ds_numel", p.numel()) for p in params.values())
+
+    def plan_step(self, seq_len: int, device: torch.device, *, packed: bool = False,
+                  reserved_bytes: int | None = None) -> MemoryPlan:
+        """The memory plan for steps of `seq_len` tokens (the whole sequence, over the SP group) from the memory
+        free now on every rank, with this model's kernel, head groups and offload setting (memory.plan_step_memory).
+        Collective on CUDA: every rank calls it, and gets the same plan. Call it after `deepspeed.initialize`
+        (ZeRO-3's partitions then exist) and hand the result to `use_plan`.
+
+        packed: the steps train packed documents (no kept attention outputs, the kernel block whole).
+        reserved_bytes: memory still to be allocated; None reserves AdamW's moments, which come at the first step
+            (memory.optimizer_reserved_bytes over the trainable parameters); 0 once the optimizer state exists.
+        """
+        if reserved_bytes is None:
+            reserved_bytes = optimizer_reserved_bytes(self.num_parameters(trainable_only=True), self.layout.world_size)
+        return plan_step_memory(self.shape, seq_len, self.layout, device, kernel=self.attention.kernel,
+                                head_groups=self.attention.head_groups, offload=self.offload,
+                                reserved_bytes=reserved_bytes, packed=packed)
+
+    @staticmethod
+    def plain_name(name: str) -> str:
+        """The plain Hugging Face model's name for a parameter or buffer name under this wrapper (as
+        `named_parameters()`, `state_dict()` or a ZeRO-3 gather give it): what export, the Trainer's save and
+        checkpoints written for `from_pretrained` use."""
+        return plain_parameter_name(name.removeprefix("model."))
+
+    def plain_state_dict(self, state: dict) -> dict:
+        """`state` (keys under this wrapper) with the plain model's keys."""
+        return {self.plain_name(k): v for k, v in state.items()}
+
+    def plain_named_parameters(self):
+        """(plain model's name, parameter) of every parameter, as the unwrapped model would name them."""
+        for name, p in self.named_parameters():
+            yield self.plain_name(name), p
 
     def use_plan(self, plan: MemoryPlan) -> None:
         """Change the memory plan between steps (every rank the same plan: ranks that differ deadlock)."""

@@ -136,6 +136,14 @@ class TiledMLP(nn.Module):
         return f"intermediate_size={self.intermediate_size}, num_tiles={self.num_tiles or 'auto'}"
 
 
+def plain_parameter_name(name: str) -> str:
+    """A parameter name under a model with TiledMLP installed -> the plain model's name (the wrapper keeps the
+    MLP as `.mlp`, so `layers.0.mlp.mlp.up_proj.weight` -> `layers.0.mlp.up_proj.weight`); names already plain
+    pass unchanged. The one rule behind SequenceParallelCausalLM.plain_name; the state-dict hooks below apply it
+    to state_dict() and load_state_dict()."""
+    return name.replace(".mlp.mlp.", ".mlp.")
+
+
 def _drop_wrapper_prefix(module, state_dict, prefix, local_metadata):
     inner = prefix + "mlp."
     for key in [k for k in state_dict if k.startswith(inner)]:
@@ -194,4 +202,4 @@ def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Handle:
     return Handle(undo, "tiled MLP")
 
 
-__all__ = ["TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp"]
+__all__ = ["TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp", "plain_parameter_name"]

@@ -52,12 +52,14 @@ from .sources import (
     parse_source,
     source_identity,
 )
+from .settings import DataSettings
 from .stream import Sample, TokenStream
 from .tokenize import (
     BATCH_CHARS,
     DEFAULT_CHUNK_CHARS,
     chunking_is_exact,
     iter_chunks,
+    pad_token_id,
     split_into_chunks,
     tokenize_documents,
     tokenizer_fingerprint,
@@ -67,6 +69,7 @@ __all__ = [
     "BATCH_CHARS",
     "CACHE_DTYPE",
     "CACHE_FORMAT_VERSION",
+    "DataSettings",
     "DEFAULT_CHUNK_CHARS",
     "PG19_HUB_ID",
     "PG19_SPLITS",
@@ -81,6 +84,7 @@ __all__ = [
     "iter_chunks",
     "iter_documents",
     "iter_rows",
+    "pad_token_id",
     "parse_source",
     "source_identity",
     "split_into_chunks",

@@ -15,7 +15,7 @@ from .packing import LONG_SAMPLES, pack, refuse_if_long
 from .samples import chat_template_digest, detect_format, iter_samples, render, resolve_loss_on
 from .sources import Source, folder_files, iter_documents, iter_rows, load_pretokenized, parse_source, source_identity
 from .stream import TokenStream, WindowDocuments
-from .tokenize import DEFAULT_CHUNK_CHARS, TOKEN_DTYPE, tokenize_documents, tokenizer_fingerprint
+from .tokenize import DEFAULT_CHUNK_CHARS, TOKEN_DTYPE, pad_token_id, tokenize_documents, tokenizer_fingerprint
 
 # Bump when sample rendering, masks or packing change, so caches built by the old rules are not reused.
 SAMPLES_VERSION = 1
@@ -230,8 +230,7 @@ def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_c
     bar = tqdm(total=want, unit="tok", unit_scale=True, desc="tokenizing samples", disable=not progress)
     try:
         if settings["packing"]:
-            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            packed = pack(samples, seq_len, num_steps, pad_id=pad_id, long_samples=settings["long_samples"],
+            packed = pack(samples, seq_len, num_steps, pad_id=pad_token_id(tokenizer), long_samples=settings["long_samples"],
                           buffer_windows=settings["pack_buffer"], on_window=lambda n: bar.update(seq_len))
             arrays = {"tokens": packed.tokens, "mask": packed.mask, "doc_lengths": packed.doc_lengths,
                       "doc_starts": packed.doc_starts, "padding": packed.padding}

@@ -20,6 +20,15 @@ BATCH_CHARS = 4_000_000
 _SAFE_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id that fills a sequence past its last token (labels there are ignored): the tokenizer's pad token,
+    else its EOS, else 0. The one rule for packed windows, the main job's batches and the Trainer's collator."""
+    for token_id in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if token_id is not None:
+            return token_id
+    return 0
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """name_or_path | vocabulary size | hash of the full tokenizer definition (vocab, merges, normalizer...)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..explicit_attention import valid_head_groups
+from ..data.settings import DataSettings
 from ..kernels import KERNELS
 from .schedule import SCHEDULES
 
@@ -44,7 +45,7 @@ class TrainConfig:
     seed: int = 0
     yarn_factor: float | None = None
     kernel: str = "auto"
-    keep_on_gpu: int | None = None  # None: from the memory plan (memory.plan_step_memory)
+    keep_on_gpu: int | None = None  # None: from the memory plan (SequenceParallelCausalLM.plan_step)
     recompute_layers: int | None = None  # None: from the memory plan
     cache_attention_layers: int | None = None  # None: from the memory plan
     attention_head_groups: int | str = "auto"  # the attention kernel over this many kv-head groups
@@ -55,6 +56,12 @@ class TrainConfig:
     dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
     world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
     gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default: this GPU, or 141)
+
+    @property
+    def data_settings(self) -> DataSettings:
+        """The fields that shape the data (the token cache's key): one object for check_source and the stream."""
+        return DataSettings(text_column=self.text_column, data_config=self.data_config, loss_on=self.loss_on,
+                            packing=self.packing, long_samples=self.long_samples, seed=self.seed)
 
     def check(self) -> None:
         """ValueError naming the flag and the fix for a setting no run can use."""

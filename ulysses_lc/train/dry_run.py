@@ -6,13 +6,13 @@ before renting the GPUs: `python examples/train_1m.py --dry-run --model Qwen/Qwe
 
 from __future__ import annotations
 
+from ..distributed import world_size
 from ..layout import ParallelLayout
+from ..memory import attention_policy, plan_memory, zero3_state_bytes
+from ..shape import ModelShape
 from .config import TrainConfig
 from .console import layout_line, startup_block
-from .estimate import count_params, estimate_memory, zero3_state_bytes
-from .loop import world_size
-from ..memory import can_keep_attention, plan_memory, planned_head_groups
-from ..shape import ModelShape
+from .estimate import count_params, estimate_memory
 from .preflight import preflight
 
 
@@ -26,9 +26,9 @@ def dry_run(cfg: TrainConfig) -> str:
     gpu_bytes = (cfg.gpu_memory_gb or DEFAULT_GPU_GB) * 1e9
     state_gpu, _ = zero3_state_bytes(num_params, checked.world_size, checked.ds_config)
     shape = ModelShape.from_config(checked.model_config)
+    keep_attention, head_groups = attention_policy(shape, cfg.kernel, cfg.attention_head_groups, cfg.packing)
     plan = plan_memory(shape, cfg.seq_len, gpu_bytes - state_gpu - CONTEXT_BYTES, sp_size=checked.sp_size,
-                       keep_attention=can_keep_attention(shape, cfg.kernel) and not cfg.packing,
-                       head_groups=1 if cfg.packing else planned_head_groups(shape, cfg.kernel, cfg.attention_head_groups))
+                       keep_attention=keep_attention, head_groups=head_groups)
     plan = plan.with_overrides(cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     layout = ParallelLayout(checked.world_size, checked.sp_size)
     block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,

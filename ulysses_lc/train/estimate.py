@@ -1,8 +1,8 @@
 """Predicted memory per rank, from the model config alone: ZeRO-3 state plus the activation plan.
 
 Two parts:
-  zero3_state_bytes   bf16 params, fp32 master, fp32 grads and Adam's two moments, partitioned over all
-                      ranks (device or host as the DeepSpeed config offloads them);
+  memory.zero3_state_bytes   bf16 params, fp32 master, fp32 grads and Adam's two moments, partitioned over
+                      all ranks (device or host as the DeepSpeed config offloads them);
   memory.plan_bytes   the activations, by the memory plan's own terms, for the plan it chose.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..memory import plan_bytes, planned_head_groups
+from ..memory import attention_policy, plan_bytes, zero3_state_bytes
 from ..shape import ModelShape
 
 
@@ -42,23 +42,10 @@ def count_params(model_config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def zero3_state_bytes(num_params: int, world_size: int, ds_config: dict) -> tuple[int, int]:
-    """(device, host) bytes per rank of ZeRO-3's partitioned state: 2 (bf16 param) + 4 (fp32 master)
-    + 4 (fp32 grad) + 8 (Adam moments) per parameter over `world_size`; offload_optimizer moves the fp32
-    master, grads and moments to the host, offload_param the bf16 params too."""
-    zero = ds_config.get("zero_optimization", {})
-    per_rank = -(-num_params // world_size)
-    off_opt = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    off_param = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
-    param, optim = 2 * per_rank, 16 * per_rank
-    return (0 if off_param else param) + (0 if off_opt else optim), (param if off_param else 0) + (optim if off_opt else 0)
-
-
 def estimate_memory(cfg, checked, plan, num_params: int) -> MemoryEstimate:
     """Predicted bytes per rank for this run and plan (estimate.py)."""
     state_gpu, state_host = zero3_state_bytes(num_params, checked.world_size, checked.ds_config)
     shape = ModelShape.from_config(checked.model_config)
-    act_gpu, act_host = plan_bytes(shape, cfg.seq_len, plan, sp_size=checked.sp_size,
-                                   head_groups=1 if cfg.packing else planned_head_groups(shape, cfg.kernel,
-                                                                                         cfg.attention_head_groups))
+    _, head_groups = attention_policy(shape, cfg.kernel, cfg.attention_head_groups, cfg.packing)
+    act_gpu, act_host = plan_bytes(shape, cfg.seq_len, plan, sp_size=checked.sp_size, head_groups=head_groups)
     return MemoryEstimate(state_gpu, state_host, act_gpu, act_host)

@@ -52,12 +52,8 @@ def export_hf_model(engine, model: SequenceParallelCausalLM, tokenizer, export_d
     """
     state = gather_state_dict(engine.module, layout.rank == 0)
     if layout.rank == 0:
-        # Names under the wrapper (and inside TiledMLP) -> the plain model's names, matched by parameter.
-        wrapped = dict(model.named_parameters(remove_duplicate=False))
-        model.undo()  # plain attention name, LM head and MLP modules in the saved config and keys
-        plain = {id(p): name for name, p in model.model.named_parameters(remove_duplicate=False)}
-        rename = {name: plain[id(p)] for name, p in wrapped.items() if id(p) in plain}
-        state = {rename.get(k, k.removeprefix("model.")): v for k, v in state.items()}
+        state = model.plain_state_dict(state)
+        model.undo()  # the plain attention implementation, LM head and MLP modules in the saved config
         model.model.save_pretrained(export_dir, state_dict=state)
         tokenizer.save_pretrained(export_dir)
     torch.distributed.barrier()

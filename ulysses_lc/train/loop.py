@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from ..data import build_token_stream, check_source
-from ..distributed import init_distributed
+from ..data import build_token_stream, check_source, pad_token_id
+from ..distributed import init_distributed, world_size
 from ..layout import ParallelLayout
-from ..memory import MemoryPlan, plan_step_memory
+from ..memory import MemoryPlan
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..sharding import shard_batch
@@ -69,8 +69,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         logger.info("%s %s", "resuming" if cfg.resume else "writing to", out)
 
     tokenizer = load_tokenizer(cfg.model)
-    data_settings = dict(text_column=cfg.text_column, data_config=cfg.data_config, loss_on=cfg.loss_on,
-                         packing=cfg.packing, long_samples=cfg.long_samples, seed=cfg.seed)
+    data_settings = cfg.data_settings.kwargs()
     # A missing path, column or completion fails here, on the first rows, before any weights load.
     check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
     stream = build_token_stream(
@@ -80,8 +79,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
 
     torch.manual_seed(cfg.seed)
     hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config)
-    num_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in hf_model.parameters())
     model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
+    num_params = model.num_parameters()
 
     optimizer = None
     if "optimizer" not in ds_config:
@@ -95,7 +94,9 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         config=ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
-    plan = _memory_plan(cfg, model, device, num_params, layout)
+    # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
+    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packing).with_overrides(
+        cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
     if rank0:
         logger.info(startup_block(
@@ -125,7 +126,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         for step in range(start_step, cfg.steps):
             # DP group j takes window position + j; the position then moves past all DP groups' windows.
             sample = stream.sample(stream.position + layout.dp_rank)
-            batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=_pad_id(tokenizer),
+            batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
                                 vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -169,12 +170,6 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def world_size() -> int:
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _agree_on_new_run_dir(model: str, layout: ParallelLayout) -> Path:
     """Rank 0 names the new run directory and tells the others (their clocks may straddle a second)."""
     name = [str(new_run_dir(model)) if layout.rank == 0 else None]
@@ -189,10 +184,6 @@ def _start_wandb(cfg: TrainConfig, out: Path):
     run_id = re.sub(r"[^\w-]", "-", out.name)  # W&B ids take letters, digits, '-' and '_'
     return wandb.init(project=cfg.wandb_project, name=out.name, id=run_id, resume="allow", dir=str(out),
                       config=asdict(cfg))
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 def _dp_sum(count: torch.Tensor, layout: ParallelLayout) -> int:
@@ -210,14 +201,3 @@ def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
         torch.distributed.all_reduce(loss, group=layout.dp_group)
         loss /= layout.dp_size
     return float(loss)
-
-
-def _memory_plan(cfg: TrainConfig, model: SequenceParallelCausalLM, device: torch.device, num_params: int,
-                 layout: ParallelLayout) -> MemoryPlan:
-    """memory.plan_step_memory for this run, the flags winning over it. Called after deepspeed.initialize
-    (ZeRO-3's partitions are then allocated); AdamW's two fp32 moments (8 bytes per parameter, partitioned
-    over all ranks) come at the first step, so they are reserved."""
-    plan = plan_step_memory(model.shape, cfg.seq_len, layout, device, kernel=model.attention.kernel,
-                            head_groups=cfg.attention_head_groups, reserved_bytes=8 * num_params // layout.world_size,
-                            packed=cfg.packing)
-    return plan.with_overrides(cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)

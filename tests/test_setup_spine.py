@@ -1,0 +1,86 @@
+"""The one setup path every driver shares: the wrapper plans its own step (its kernel, head groups and offload
+setting), counts its parameters once, and names them as the plain model does.
+
+Single process, no process group: `memory.measure_free_memory` (the collective that reads free memory on every
+rank) is replaced by fixed figures, so the CUDA branch of the plan runs on a CPU machine.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.models import build
+from ulysses_lc import SequenceParallelCausalLM, memory
+from ulysses_lc.memory import optimizer_reserved_bytes, plan_memory
+
+LAYOUT = SimpleNamespace(sp_size=1, world_size=1, rank=0)  # all the wrapper reads of a layout outside a step
+CUDA = torch.device("cuda")  # never touched: the free memory is given
+SEQ = 1 << 20
+
+
+@pytest.fixture
+def free_memory(monkeypatch):
+    figures = {}
+
+    def measured(device, layout):
+        return figures["device"], figures["host"]
+
+    monkeypatch.setattr(memory, "measure_free_memory", measured)
+    return figures
+
+
+def wrap(**levers):
+    return SequenceParallelCausalLM(build("qwen3"), LAYOUT, **levers)
+
+
+def test_plan_step_plans_with_the_models_own_offload_setting(free_memory):
+    """levers={"offload": False} (as the Trainer path takes them) plans no host offload: every checkpointed
+    input stays on the device. Before one spine the Trainer path planned offload for a model that did none."""
+    kept = wrap(offload=False)
+    offloaded = wrap(offload=True)
+    # Room for about half the layers' inputs on the device (the tiny model's per-layer bytes at 1M tokens).
+    _, _, per_input, _ = memory._layer_bytes(kept.shape, SEQ, 1, "auto", True, True)
+    working, *_ = memory._layer_bytes(kept.shape, SEQ, 1, "auto", True, True)
+    free_memory.update(device=(working + per_input) / 0.8 + 1, host=1 << 40)
+    plan_kept = kept.plan_step(SEQ, CUDA, reserved_bytes=0)
+    plan_off = offloaded.plan_step(SEQ, CUDA, reserved_bytes=0)
+    assert plan_kept.keep_on_gpu == plan_kept.recompute_layers  # nothing planned for the host
+    assert plan_off.keep_on_gpu < plan_off.recompute_layers  # the offloading model sends inputs there
+    assert plan_kept == plan_memory(kept.shape, SEQ, free_memory["device"], host_free_bytes=1 << 40, offload=False)
+
+
+def test_plan_step_reserves_the_optimizer_moments_of_trainable_parameters(free_memory, monkeypatch):
+    model = wrap()
+    seen = {}
+    monkeypatch.setattr("ulysses_lc.model.plan_step_memory", lambda *a, **kw: seen.update(kw) or "plan")
+    model.plan_step(SEQ, CUDA)
+    assert seen["reserved_bytes"] == optimizer_reserved_bytes(model.num_parameters(), 1) == 8 * model.num_parameters()
+    assert seen["offload"] is True and seen["kernel"] == model.attention.kernel and seen["head_groups"] == "auto"
+    model.model.model.embed_tokens.weight.requires_grad_(False)  # tied to the head: one parameter fewer
+    model.plan_step(SEQ, CUDA)
+    frozen = model.model.model.embed_tokens.weight.numel()
+    assert seen["reserved_bytes"] == 8 * (model.num_parameters() - frozen)
+    assert model.num_parameters(trainable_only=True) == model.num_parameters() - frozen
+    model.plan_step(SEQ, CUDA, packed=True, reserved_bytes=0)
+    assert seen["packed"] is True and seen["reserved_bytes"] == 0
+
+
+def test_the_packed_policy_reaches_the_plan(free_memory):
+    model = wrap()
+    working, *_ = memory._layer_bytes(model.shape, SEQ, 1, "auto", True, True)
+    free_memory.update(device=working / 0.8 + 1, host=1 << 40)  # every layer checkpointed and offloaded
+    assert model.plan_step(SEQ, CUDA, reserved_bytes=0).cache_attention_layers > 0
+    assert model.plan_step(SEQ, CUDA, reserved_bytes=0, packed=True).cache_attention_layers == 0
+
+
+def test_plain_names_are_the_unwrapped_models():
+    model = wrap()
+    plain = build("qwen3")
+    assert {n for n, _ in model.plain_named_parameters()} == {n for n, _ in plain.named_parameters()}
+    wrapped = {n: p for n, p in model.named_parameters()}
+    assert any(".mlp.mlp." in n for n in wrapped)  # the tiled MLP keeps the MLP one level down
+    assert set(model.plain_state_dict(wrapped)) == set(dict(plain.named_parameters()))
+    assert set(model.plain_state_dict(model.state_dict())) == set(plain.state_dict())
+    # The plain model's weights load under the plain names: the mapping is the model's, not a guess.
+    model.model.load_state_dict(plain.state_dict())
