@@ -14,9 +14,8 @@ layer input. Keyword tensors such as the rotary cos/sin and the attention mask a
 closure and shared across layers; they never reach the hook. Parameters and tensors below `min_offload_bytes`
 stay where they are.
 
-Overlap (CUDA): forward copies device -> pinned host on a side stream, after waiting for the compute stream up
-to the save, so the copy overlaps the next layers' compute; the device tensor is `record_stream`-ed on the
-side stream so its memory is not reused before the copy is done. Backward walks layers last to first. When
+Overlap (CUDA): forward copies device -> pinned host on a side stream (host_pool.HostRoundTrip), overlapping the
+next layers' compute. Backward walks layers last to first. When
 layer i's attention block has finished its backward (a hook on the block's input gradient; the block is where
 one layer's working set peaks), we queue the host -> device copy of layer i-1's tensors on the side stream, so
 it runs under the rest of layer i's backward and adds nothing to the peak; layer i-1's unpack then only makes
@@ -47,7 +46,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .handle import Handle
-from .host_pool import _host_like, _HostPool
+from .host_pool import HostRoundTrip
 from .layers import checkpointable_layers
 from .recompute import LayerRun, RecomputeContext
 from .shape import ModelShape
@@ -114,9 +113,9 @@ class CheckpointHandle(Handle):
         self.pinned = False
         self.prefetched_copies = 0  # layers whose offloaded tensors came back ahead of need (latest pass)
         self.waited_copies = 0  # layers whose recompute had to wait for the copy (the first in backward)
-        self._pool = _HostPool()
+        self._copies = HostRoundTrip()
+        self._pool = self._copies.pool
         self._last_saved = None  # weakref: holding the record would hold every layer's host copy
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._restore: list[tuple[nn.Module, dict]] = []
         self._hooks: list = []
 
@@ -162,20 +161,9 @@ class CheckpointHandle(Handle):
         # Empty tensors: torch's checkpoint (2.11) saves a 0-element CPU dummy next to the inputs.
         if saved.keep or nbytes == 0 or isinstance(tensor, nn.Parameter) or nbytes < self.min_offload_bytes:
             return saved, None, tensor
-        on_cuda = tensor.is_cuda
-        buf, pinned = self._pool.take(nbytes, pin=on_cuda)
-        saved.buffers.append((buf, pinned))
-        host = _host_like(buf, tensor)
-        if on_cuda:
-            side = self._side_stream(tensor.device)
-            # The copy must see the finished tensor: wait for everything queued so far.
-            side.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(side):
-                host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(side)
-            self.pinned = self.pinned or pinned
-        else:
-            host.copy_(tensor)
+        host, buffer = self._copies.to_host(tensor, nbytes)
+        saved.buffers.append(buffer)
+        self.pinned = self.pinned or (tensor.is_cuda and buffer[1])
         saved.host.append(host)
         saved.devices.append(tensor.device)
         saved.on_device.append(None)
@@ -219,24 +207,9 @@ class CheckpointHandle(Handle):
                 "offloaded activations were already brought back for one backward; a second backward through "
                 "the same graph (retain_graph=True) is not supported with offload=True."
             )
-        on_device = []
-        for host, device in zip(saved.host, saved.devices):
-            if device.type != "cuda":
-                # CPU: a copy, so nothing of the graph aliases a pool buffer once it is reused.
-                on_device.append(host.clone())
-                continue
-            compute = torch.cuda.current_stream(device)
-            side = self._side_stream(device)
-            # Allocated on the compute stream, which is where it is used and freed; the side
-            # stream waits so it does not write into memory the compute stream still uses.
-            dst = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-            side.wait_stream(compute)
-            # The device -> host copy was queued earlier on this same stream, so it is done first.
-            with torch.cuda.stream(side):
-                dst.copy_(host, non_blocking=True)
-                saved.h2d_event = torch.cuda.Event()
-                saved.h2d_event.record(side)
-            on_device.append(dst)
+        on_device, event = self._copies.to_device(saved.host, saved.devices)
+        if event is not None:
+            saved.h2d_event = event
         saved.on_device = on_device
         saved.prefetched = True
         # The host copies are done with: their buffers go back to the pool now, not when the record dies
@@ -245,11 +218,6 @@ class CheckpointHandle(Handle):
         # queues behind this one on the same side stream.
         saved.host = []
         self._pool.give(saved.buffers)
-
-    def _side_stream(self, device: torch.device):
-        if device not in self._side_streams:
-            self._side_streams[device] = torch.cuda.Stream(device=device)
-        return self._side_streams[device]
 
     # ---- the prefetch signal: a hook on each layer's attention block ----
 

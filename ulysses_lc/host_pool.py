@@ -1,4 +1,7 @@
-"""Exact-size host buffers for offloaded activations, page-locked and reused from step to step."""
+"""Host memory for offloaded activations: exact-size buffers, page-locked and reused from step to step
+(`HostPool`), and the round trip through them on a side stream (`HostRoundTrip`: device -> host as the forward
+saves a tensor, host -> device ahead of the backward that needs it). checkpointing.py decides what goes and
+when; this module moves the bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ _PAGE = 4096
 
 
 def _unregister_all(registered: dict) -> None:
-    """Finalizer of a _HostPool: unpin what is still registered before the memory can be freed."""
+    """Finalizer of a HostPool: unpin what is still registered before the memory can be freed."""
     if registered and torch.cuda.is_available():
         torch.cuda.synchronize()
         cudart = torch.cuda.cudart()
@@ -19,7 +22,7 @@ def _unregister_all(registered: dict) -> None:
     registered.clear()
 
 
-class _HostPool:
+class HostPool:
     """Exact-size host buffers, page-locked with cudaHostRegister, reused from step to step.
 
     `torch.empty(..., pin_memory=True)` goes through PyTorch's caching host allocator, which rounds every
@@ -105,7 +108,7 @@ class _HostPool:
         self._closed = True
 
 
-def _host_like(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+def host_like(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """View the uint8 buffer as `tensor` (same strides when its layout is dense, else contiguous)."""
     flat = buf.view(tensor.dtype)
     if tensor.is_contiguous():
@@ -114,3 +117,62 @@ def _host_like(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     if span == tensor.numel() and all(st >= 0 for st in tensor.stride()):
         return flat.as_strided(tensor.shape, tensor.stride())
     return flat.view(tensor.shape)
+
+
+class HostRoundTrip:
+    """Copies of saved activations to host memory and back, on one side stream per device.
+
+    to_host: the copy waits for everything queued on the compute stream so far (it must see the finished
+    tensor), then runs on the side stream, overlapping the next layers' compute; the device tensor is
+    `record_stream`-ed there, so its memory is not reused before the copy is done.
+    to_device: the destination is allocated on the compute stream (where it is used and freed); the side stream
+    waits for the compute stream (so it does not write into memory still in use there), copies, and records an
+    event the compute stream waits for before it reads. The device -> host copy was queued earlier on the same
+    side stream, so it is done first. Without CUDA both are plain copies (the CPU tests' path).
+    """
+
+    def __init__(self):
+        self.pool = HostPool()
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def to_host(self, tensor: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, tuple[torch.Tensor, bool]]:
+        """(host copy of `tensor`, its (pool buffer, pinned) to give back once the copy back is queued)."""
+        on_cuda = tensor.is_cuda
+        buf, pinned = self.pool.take(nbytes, pin=on_cuda)
+        host = host_like(buf, tensor)
+        if on_cuda:
+            side = self._side_stream(tensor.device)
+            side.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(side):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(side)
+        else:
+            host.copy_(tensor)
+        return host, (buf, pinned)
+
+    def to_device(self, hosts: list[torch.Tensor], devices: list[torch.device]):
+        """(device copies of `hosts`, the event the compute stream waits for before reading them; None on CPU)."""
+        on_device, event = [], None
+        for host, device in zip(hosts, devices):
+            if device.type != "cuda":
+                # CPU: a copy, so nothing of the graph aliases a pool buffer once it is reused.
+                on_device.append(host.clone())
+                continue
+            compute = torch.cuda.current_stream(device)
+            side = self._side_stream(device)
+            dst = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                dst.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            on_device.append(dst)
+        return on_device, event
+
+    def _side_stream(self, device: torch.device):
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        return self._side_streams[device]
+
+
+__all__ = ["HostPool", "HostRoundTrip", "host_like"]
