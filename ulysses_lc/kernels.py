@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 KERNELS = ("auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3")
 
 # SDPA backends in order of preference. On Hopper cuDNN ran causal attention at ~1.7x the FLASH_ATTENTION
-# backend (ANCHORS.md: 524 vs 322 TF/s fwd+bwd at 256k); torch's default order prefers FLASH. The order is
+# backend (measured on one H200, 2026-11-29, Qwen3-0.6B heads at 256k: 524 vs 322 TF/s fwd+bwd;
+# benchmarks/bench_step.py --suite kernel, BENCHMARKS.md); torch's default order prefers FLASH. The order is
 # applied with set_priority around every call of the kernel, which covers the checkpoint recompute too (it
 # calls this function again), so forward, recompute and backward use one backend. Backends that refuse a
 # shape fall through to the next.
