@@ -5,16 +5,18 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   layout.py         ParallelLayout: SP/DP process groups and the DeepSpeed mpu
   sharding.py       shard_batch: shift, pad and slice one sequence for this rank
   exchange.py       the all-to-alls around attention (who sends what to whom)
-  kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, explicit ops over head groups
+  kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, per document for packed sequences
+  explicit_attention.py  SDPA's forward/backward ops called directly: kept outputs, head groups
   attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
   recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
-  checkpointing.py  install_checkpointing: per-layer checkpoints, inputs offloaded to host (host_pool.py)
+  checkpointing.py  install_checkpointing: per-layer checkpoints, what is offloaded and when
+  host_pool.py      pinned host buffers and the side-stream round trip through them
   tiled_mlp.py      install_tiled_mlp: the MLP over sequence tiles
   rmsnorm.py        install_efficient_rmsnorm: RMSNorm saving its bf16 input
   chunked_loss.py   chunked_cross_entropy / install_chunked_loss_head: no [tokens x vocab] logits
   loss.py           sp_mean_loss: the sequence's mean loss over the SP group
   memory.py         plan_memory -> MemoryPlan: what each layer keeps, from free device and host memory
-  model.py          SequenceParallelCausalLM: all of the above around a HF model
+  model.py          SequenceParallelCausalLM: all of the above around a HF model; plan_step, plain names
   yarn.py           apply_yarn: YaRN RoPE scaling in the config, before weights load
   ds_config.py      DeepSpeed config checks
   hf_trainer.py     UlyssesTrainer: the same step inside transformers' Trainer or TRL's SFTTrainer
