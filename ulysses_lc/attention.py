@@ -142,7 +142,7 @@ class UlyssesAttention:
         return out_bshd, None
 
     def groups_for(self, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor) -> int:
-        """Head groups for one call on this rank's [b, h_local, s, d] q and k (kernels.py): 1 where the
+        """Head groups for one call on this rank's [b, h_local, s, d] q and k (explicit_attention.py): 1 where the
         kernel is not ours to call or there is no backward (evaluation, inference), `head_groups` when set,
         else `attention_head_groups` from the shapes, per sequence in the batch, on CUDA only (the CPU
         kernel holds no such block)."""

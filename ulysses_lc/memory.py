@@ -74,7 +74,7 @@ class MemoryPlan:
 #   attention output, 2 (4e + 3q + 3kv) (26.6 KB on the Qwen3-0.6B shape; the main job at 128k measured ~26),
 #   which the planner counts x PLAIN_LAYER_MARGIN;
 #   one layer's recompute-and-backward working set: 2 (8e + 6q + 6kv), plus the attention backward's own block
-#   (kernels.py) over its head groups. On the Qwen3-0.6B shape at 256k: 57 KB/token by this formula, 45
+#   (explicit_attention.py) over its head groups. On the Qwen3-0.6B shape at 256k: 57 KB/token by this formula, 45
 #   KB/token measured (BENCHMARKS.md G).
 PLAIN_LAYER_MARGIN = 1.25  # the planner's allowance for what the formula misses: a plain layer too many OOMs
 
