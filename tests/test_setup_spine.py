@@ -61,7 +61,9 @@ def test_plan_step_reserves_the_optimizer_moments_of_trainable_parameters(free_m
     model.plan_step(SEQ, CUDA)
     frozen = model.model.model.embed_tokens.weight.numel()
     assert seen["reserved_bytes"] == 8 * (model.num_parameters() - frozen)
-    assert model.num_parameters(trainable_only=True) == model.num_parameters() - frozen
+    assert model.num_parameters(only_trainable=True) == model.num_parameters() - frozen
+    # transformers' signature (the Trainer calls it): embeddings left out as its own count leaves them out.
+    assert model.num_parameters(exclude_embeddings=True) == model.model.num_parameters(exclude_embeddings=True)
     model.plan_step(SEQ, CUDA, packed=True, reserved_bytes=0)
     assert seen["packed"] is True and seen["reserved_bytes"] == 0
 

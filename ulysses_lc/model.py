@@ -112,9 +112,14 @@ class SequenceParallelCausalLM(nn.Module):
             self.levers.append(self.checkpointing)
         self.plan = plan
 
-    def num_parameters(self, trainable_only: bool = False) -> int:
-        """Parameters of the wrapped model, each counted once, whole also when ZeRO-3 has partitioned it."""
-        params = {id(p): p for p in self.model.parameters() if p.requires_grad or not trainable_only}
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters of the wrapped model, each counted once, whole also when ZeRO-3 has partitioned it (where
+        transformers' own `num_parameters`, which the Trainer calls, would count this rank's empty stubs)."""
+        skip = set()
+        if exclude_embeddings:
+            skip = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
+        params = {id(p): p for p in self.model.parameters() if (p.requires_grad or not only_trainable)
+                  and id(p) not in skip}
         return sum(getattr(p, "ds_numel", p.numel()) for p in params.values())
 
     def plan_step(self, seq_len: int, device: torch.device, *, packed: bool = False,
@@ -129,7 +134,7 @@ class SequenceParallelCausalLM(nn.Module):
             (memory.optimizer_reserved_bytes over the trainable parameters); 0 once the optimizer state exists.
         """
         if reserved_bytes is None:
-            reserved_bytes = optimizer_reserved_bytes(self.num_parameters(trainable_only=True), self.layout.world_size)
+            reserved_bytes = optimizer_reserved_bytes(self.num_parameters(only_trainable=True), self.layout.world_size)
         return plan_step_memory(self.shape, seq_len, self.layout, device, kernel=self.attention.kernel,
                                 head_groups=self.attention.head_groups, offload=self.offload,
                                 reserved_bytes=reserved_bytes, packed=packed)
