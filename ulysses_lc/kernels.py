@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3")
 
-# SDPA backends in order of preference. On Hopper cuDNN ran causal attention at ~1.7x the FLASH_ATTENTION
-# backend (measured on one H200, 2026-11-29, Qwen3-0.6B heads at 256k: 524 vs 322 TF/s fwd+bwd;
-# benchmarks/bench_step.py --suite kernel, BENCHMARKS.md); torch's default order prefers FLASH. The order is
+# SDPA backends in order of preference. On Hopper cuDNN ran causal attention at ~1.6x the FLASH_ATTENTION
+# backend (one H200, 2026-11-29, Qwen3-0.6B heads at 256k, fwd+bwd: 529 vs 324 TF/s; benchmarks/bench_step.py
+# --suite speed, benchmarks/reports/2026-11-29_speed.md); torch's default order prefers FLASH. The order is
 # applied with set_priority around every call of the kernel, which covers the checkpoint recompute too (it
 # calls this function again), so forward, recompute and backward use one backend. Backends that refuse a
 # shape fall through to the next.
