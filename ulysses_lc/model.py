@@ -19,7 +19,7 @@ from .chunked_loss import ChunkedLossHead, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
-from .memory import MemoryPlan
+from .memory import MemoryPlan, plan_step_memory
 from .recompute import RecomputeContext
 from .rmsnorm import install_efficient_rmsnorm
 from .shape import ModelShape
@@ -118,6 +118,20 @@ class SequenceParallelCausalLM(nn.Module):
         self.checkpointing.configure(recompute_layers=plan.recompute_layers, keep_on_gpu=plan.keep_on_gpu,
                                      cache_attention_layers=plan.cache_attention_layers)
         self.plan = plan
+
+    def plan_step(self, seq_len: int, device: torch.device, *, packed: bool = False,
+                  reserved_bytes: int | None = None) -> MemoryPlan:
+        """The memory plan for the next step (memory.plan_step_memory with this model's kernel, head groups and
+        offload setting); collective on CUDA. reserved_bytes None: AdamW's two fp32 moments still to come,
+        8 bytes per trainable parameter over the world size; 0 once the optimizer state exists."""
+        if reserved_bytes is None:
+            # ds_numel: a ZeRO-3 partitioned parameter's numel() is 0 on every rank.
+            trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters() if p.requires_grad)
+            reserved_bytes = 8 * trainable // self.layout.world_size
+        offload = self.checkpointing.offload if self.checkpointing is not None else False
+        return plan_step_memory(self.shape, seq_len, self.layout, device, kernel=self.attention.kernel,
+                                head_groups=self.attention.head_groups, offload=offload,
+                                reserved_bytes=reserved_bytes, packed=packed)
 
     @property
     def config(self):
