@@ -281,10 +281,11 @@ def run_variant(spec: dict) -> dict:
 
         if spec.get("plan"):
             # The training path's plan, from the memory free once the optimizer state exists (here after the
-            # warm-up step, so nothing is reserved for it; the training path plans before its first step).
+            # warm-up step, so nothing is reserved for it; the training path plans before its first step), and
+            # for packed documents as the training path plans them (no kept outputs, the kernel's block whole).
             import dataclasses
 
-            plan = module.plan_step(seq, dev, reserved_bytes=0)
+            plan = module.plan_step(seq, dev, packed=spec.get("doc") is not None, reserved_bytes=0)
             module.use_plan(plan)
             rec["plan"] = dataclasses.asdict(plan)
             sync(dev)
