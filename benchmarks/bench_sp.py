@@ -364,8 +364,9 @@ def _v(name, kind, sp, seq, est_s, shape="qwen3-0.6b", **kw):
 
 SUITES = {
     # Issue 15, in priority order. A group runs only when all of it still fits (a comparison needs both sides).
-    # est_s: ~25 s of process start, model build and engine, plus the steps (ANCHORS.md: ours 29.5 s/step at
-    # 256k sp 2 and 57.5 s at sp 1; ALST 84 s at 256k sp 1; ours 27.4 s for the 8B shape at 131k sp 2).
+    # est_s: ~25 s of process start, model build and engine, plus the steps as measured before this runner
+    # (H200s, 2026-11-29/30: ours 29.5 s/step at 256k sp 2 and 57.5 s at sp 1; DeepSpeed's ALST pieces 84 s at
+    # 256k sp 1; ours 27.4 s for the 8B shape at 131k sp 2; benchmarks/reports/).
     "sp2": [
         _v("ours-sp2@256k", "ours", 2, 256 * K, 90, group="0.6B@256k", profile=True),
         _v("alst-sp2@256k", "alst", 2, 256 * K, 120, group="0.6B@256k"),

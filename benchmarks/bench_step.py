@@ -142,7 +142,8 @@ def setup_stock(model):
 def bench_attention_kernel(lengths, backends, q_heads=16, kv_heads=8, head_dim=128, iters=3):
     """Causal SDPA fwd+bwd TF/s per (length, backend), GQA through enable_gqa (expanded KV if refused).
 
-    FLOPs: 3.5 x the causal forward's 2*L^2*heads*head_dim (ANCHORS.md convention)."""
+    FLOPs: 3.5 x the causal forward's 2*L^2*heads*head_dim (the backward counted as 2.5 forwards, as
+    Dao-AILab/flash-attention's benchmarks/benchmark_flash_attention.py counts fwd_bwd)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev, dtype = local_device(), torch.bfloat16
@@ -330,7 +331,8 @@ CHUNK_ONLY = dict(tiled_mlp=False, offload=False)  # checkpointing on: stock rec
 CHUNK_OFFLOAD = dict(tiled_mlp=False)
 
 SUITES = {
-    # issue 5, in priority order; est_s from ANCHORS step times + ~15 s process start and model build.
+    # issue 5, in priority order; est_s: the step times measured on one H200 (BENCHMARKS.md) + ~15 s of
+    # process start and model build.
     "speed": [
         dict(name="kernel", kind="kernel", lengths=[64 * K, 128 * K, 256 * K],
              backends=["CUDNN_ATTENTION", "FLASH_ATTENTION"], est_s=45),

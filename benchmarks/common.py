@@ -35,7 +35,8 @@ K = 1024
 GB = 1e9
 SHORT_WARMUP_TOKENS = 8192
 
-# Public configs (ANCHORS.md); rope_theta 1e6; 0.6B and 4B tie their embeddings, 8B does not.
+# The public configs (huggingface.co/Qwen/Qwen3-0.6B, Qwen3-4B, Qwen3-8B: config.json); rope_theta 1e6;
+# 0.6B and 4B tie their embeddings, 8B does not.
 SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
