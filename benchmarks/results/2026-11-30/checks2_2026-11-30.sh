@@ -3,7 +3,8 @@
 #   the CUDA packing tests (per-document loop and varlen against per-document SDPA), the per-document kernel's
 #   rate at 256k (bench_packing.py: loop and varlen, equal and mixed lengths), then the Qwen3-8B shape at 131k on
 #   both GPUs at sp 2 (bench_sp.py, ours only).
-# Usage: bash benchmarks/results/2026-11-30/checks2_2026-11-30.sh OUT_DIR   (from any folder; it runs from the checkout's root)
+# Usage: bash benchmarks/results/2026-11-30/checks2_2026-11-30.sh OUT_DIR
+#   from any folder: it runs from the checkout's root
 set -u
 out=$(realpath -m "${1:?output dir}")
 cd "$(dirname "$0")/../../.."   # the checkout root: the paths below are relative to it

@@ -3,7 +3,8 @@
 #   GPU 0: the CUDA packing tests (per-document loop and varlen against per-document SDPA);
 #   GPU 1: the Trainer path (examples/hf_trainer.py) at 131,072 tokens on the Qwen3-0.6B shape, random weights,
 #          to compare with the main job's step time and plan at the same length (checks_2026-11-30.sh, beside this one).
-# Usage: bash benchmarks/results/2026-11-30/checks3_2026-11-30.sh OUT_DIR   (from any folder; it runs from the checkout's root)
+# Usage: bash benchmarks/results/2026-11-30/checks3_2026-11-30.sh OUT_DIR
+#   from any folder: it runs from the checkout's root
 set -u
 out=$(realpath -m "${1:?output dir}")
 cd "$(dirname "$0")/../../.."   # the checkout root: the paths below are relative to it

@@ -3,7 +3,8 @@
 #   1. the embedded tiny default on 2 GPUs (sp 2) from another folder: start-up block, step lines, clean exit
 #      (no TCPStore "Failed to recv" warnings), twice (a new run folder each time);
 #   2. the same on a local jsonl of prompt/completion rows with --packing (per-document attention on CUDA).
-# Usage: bash benchmarks/results/2026-11-30/checks4_2026-11-30.sh OUT_DIR   (from any folder; it runs from the checkout's root)
+# Usage: bash benchmarks/results/2026-11-30/checks4_2026-11-30.sh OUT_DIR
+#   from any folder: it runs from the checkout's root
 set -u
 out=$(realpath -m "${1:?output dir}")
 cd "$(dirname "$0")/../../.."   # the checkout root: the paths below are relative to it
