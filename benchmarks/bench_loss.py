@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when not pip-installed
-IGNORE_INDEX = -100
+from ulysses_lc.constants import IGNORE_INDEX  # noqa: E402
 
 
 def trl_style(hidden, weight, labels, rows=256):

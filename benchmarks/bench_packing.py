@@ -6,8 +6,9 @@
 Kernel: `kernels.document_attention` fwd+bwd, how="loop" (cuDNN-first SDPA per run of equal-length documents:
 here one batched call) and how="varlen" (torch.nn.attention.varlen, one call), on q [1, 16, s, 128],
 k, v [1, 8, s, 128], bf16, against one causal call over the whole sequence. TF/s count the FLOPs the block
-diagonal needs: 3.5 x sum over documents of the causal forward's 2 n^2 h d (ANCHORS.md convention), so a
-packed layout at the single-document rate would show the same TF/s.
+diagonal needs: 3.5 x sum over documents of the causal forward's 2 n^2 h d (fwd+bwd as 3.5 forwards, the
+convention of Dao-AILab/flash-attention's benchmarks/benchmark_flash_attention.py and of bench_step.py's kernel
+rows), so a packed layout at the single-document rate would show the same TF/s.
 Step: bench_step.py's "ours" variant (Qwen3-0.6B shape, all levers, the memory plan) with `docs` set, i.e.
 shard_batch(document_lengths=[doc] * (s / doc)), against the same tokens as one causal sequence.
 """

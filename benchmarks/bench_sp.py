@@ -10,7 +10,7 @@ group if it outlives its time. A time guard skips variants (or the rest of a gro
 each other) whose estimate no longer fits in --budget-s, and records them as skipped.
 
 What a step is, for both implementations at every sp: one sequence of `seq` random tokens (the same tokens),
-batch 1, the same seed weights of a public Qwen3 shape (bench_step.build_model: bf16 on CUDA, fp32 on CPU),
+batch 1, the same seed weights of a public Qwen3 shape (common.build_model: bf16 on CUDA, fp32 on CPU),
 forward + backward + optimizer step through a DeepSpeed ZeRO-3 engine (the shipped zero3 config: bf16, gradient
 clipping 1.0) around torch.optim.AdamW(lr=1e-5, fused on CUDA). Timed: one step after one warm-up step
 ("full": warm-up at the same length, so the timed step is a steady one: pinned host buffers, the allocator's
@@ -20,13 +20,14 @@ timed step also pays those first-time costs). Step time is the slowest rank's; p
 
   ours  ulysses_lc.SequenceParallelCausalLM over ParallelLayout.build(sp), batches from shard_batch, every lever
         on (kernel "auto": cuDNN first on Hopper, head groups "auto"), and the memory plan the training path
-        uses (memory.plan_step_memory: free device and host memory, minimum over ranks), set before the first step.
+        uses (SequenceParallelCausalLM.plan_step: free device and host memory, minimum over ranks, AdamW's
+        moments still to come reserved), set before the first step.
   alst  DeepSpeed's sequence-parallel path as deepspeed/runtime/sequence_parallel/ulysses_sp.py and
         ArcticTraining's SFTTrainer.loss wire it: UlyssesSPAttentionHF.register_with_transformers(model, "sdpa"),
         batches sharded by UlyssesSPDataLoaderAdapter, the TiledMLP monkey patch, TiledFusedLogitsLoss over
         ~1 GiB fp32 logit shards with the differentiable all_gather weighted loss average, HF non-reentrant
         checkpointing inside DeepSpeed's CheckpointHiddenStatesOffload, cuDNN-first SDPA around forward and
-        backward (bench_step.setup_alst's pieces).
+        backward (the pieces bench_step.setup_alst wires, from common.py).
 
 A variant with `profile` times its timed step with timers around every Ulysses exchange and every attention
 kernel call (`ExchangeProfile`: two CUDA events per call, a few hundred calls a step, no synchronisation until
@@ -39,50 +40,49 @@ GB are 1e9 bytes.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.metadata
 import json
 import os
-import resource
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from bench_step import (  # noqa: E402
+from common import (  # noqa: E402
     GB,
     IGNORE_INDEX,
-    SHORT_WARMUP_TOKENS,
-    _cudnn_first,
-    _is_oom,
+    K,
+    SHAPES,
     alst_loss_sum,
     build_model,
+    cell,
+    child_env,
+    cudnn_first,
+    end_peak,
     install_alst_tiled_mlp,
+    launch,
+    list_variants,
+    local_device,
+    peak_cell,
     random_tokens,
+    record_failure,
+    runner_args,
+    short,
+    skipped,
+    slug,
+    start_peak,
+    sync,
+    time_guard,
+    warmup_tokens,
+    write_outputs,
+    write_record,
 )
 
-REPO = Path(__file__).resolve().parent.parent
-K = 1024
 LR = 1e-5
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _ds_config(dev, extra=None) -> dict:
@@ -160,7 +160,7 @@ class ExchangeProfile:
 
     def summary(self, step_s: float) -> dict:
         """Seconds, calls and bytes per (what, phase); the exchange's and the kernel's share of `step_s`."""
-        _sync(self.dev)
+        sync(self.dev)
         rows = {}
         for what, phase, start, end, nbytes in self.calls:
             seconds = start.elapsed_time(end) / 1e3 if self.dev.type == "cuda" else end - start
@@ -185,18 +185,16 @@ def setup_ours(model, sp: int, seq: int, dev, rec: dict):
     import deepspeed
 
     from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, check_deepspeed_config, shard_batch
-    from ulysses_lc.memory import plan_step_memory
 
     layout = ParallelLayout.build(sp)
-    num_params = sum(p.numel() for p in model.parameters())
     wrapper = SequenceParallelCausalLM(model, layout)
     optimizer = torch.optim.AdamW(wrapper.parameters(), lr=LR, fused=dev.type == "cuda")
     config = check_deepspeed_config(_ds_config(dev), layout, gradient_accumulation_steps=1)
     engine, *_ = deepspeed.initialize(model=wrapper, optimizer=optimizer, config=config, mpu=layout.mpu)
     engine.train()
-    # Exactly the training path's plan (train() calls it right after deepspeed.initialize, as here).
-    plan = plan_step_memory(wrapper.shape, seq, layout, dev, kernel=wrapper.attention.kernel,
-                            reserved_bytes=8 * num_params // layout.world_size)
+    # Exactly the training path's plan (train() calls it right after deepspeed.initialize, as here), which
+    # reserves the AdamW moments the first step will allocate.
+    plan = wrapper.plan_step(seq, dev)
     wrapper.use_plan(plan)
     rec["plan"] = dataclasses.asdict(plan)
     vocab = model.config.vocab_size
@@ -267,7 +265,7 @@ def setup_alst(model, sp: int, seq: int, dev, rec: dict):
 
     def step(batch, profile=None):
         labels = batch["shift_labels"]
-        with _cudnn_first(), offload_ctx:
+        with cudnn_first(), offload_ctx:
             hidden = engine.module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                          use_cache=False).last_hidden_state
             good = (labels != IGNORE_INDEX).sum()
@@ -292,17 +290,11 @@ def untie_head(model):
 
 # ---- one variant, on every rank of its process group ----
 
-def _host_gb():
-    import psutil
-
-    return psutil.Process().memory_info().rss / GB, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
-
-
 def _timed_step(step, batch, dev, profile=None):
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     loss = step(batch, profile)
-    _sync(dev)
+    sync(dev)
     return time.perf_counter() - t0, float(loss)
 
 
@@ -310,7 +302,7 @@ def run_rank(spec: dict, out_dir: Path) -> int:
     """Build, warm up, time one step (and profile one more); write this rank's record; never raises."""
     rank = int(os.environ.get("RANK", "0"))
     rec = dict(spec, rank=rank, status="error", phase="setup")
-    dev = _device()
+    dev = local_device()
     try:
         import deepspeed
         import torch.distributed as dist
@@ -331,16 +323,13 @@ def run_rank(spec: dict, out_dir: Path) -> int:
         engine, batch_fn, step = setup(model, sp, seq, dev, rec)
 
         rec["phase"] = "warmup"
-        warm_len = seq if spec.get("warmup", "full") == "full" else min(SHORT_WARMUP_TOKENS, seq)
+        warm_len = warmup_tokens(spec)
         rec["warmup_tokens"] = warm_len
         rec["warmup_s"], rec["loss_warmup"] = _timed_step(step, batch_fn(random_tokens(warm_len, vocab)), dev)
 
         rec["phase"] = "measure"
         batch = batch_fn(random_tokens(seq, vocab))
-        _sync(dev)
-        if dev.type == "cuda":
-            rec["static_gb"] = torch.cuda.memory_allocated(dev) / GB  # ZeRO-3 partitions + optimizer state + batch
-            torch.cuda.reset_peak_memory_stats(dev)
+        start_peak(rec, dev)  # static_gb: ZeRO-3 partitions + optimizer state + batch
         profile = ExchangeProfile(dev).install() if spec.get("profile") else None
         try:
             rec["step_s"], rec["loss"] = _timed_step(step, batch, dev, profile)
@@ -349,10 +338,7 @@ def run_rank(spec: dict, out_dir: Path) -> int:
                 profile.undo()
         if profile is not None:
             rec["profile"] = profile.summary(rec["step_s"])
-        if dev.type == "cuda":
-            rec["peak_gb"] = torch.cuda.max_memory_allocated(dev) / GB
-            rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / GB
-        rec["host_rss_gb"], rec["host_maxrss_gb"] = _host_gb()
+        end_peak(rec, dev)
         rec["offload_report"] = step.report()
         rec["status"] = "ok"
         rec.pop("phase")
@@ -361,30 +347,13 @@ def run_rank(spec: dict, out_dir: Path) -> int:
         dist.destroy_process_group()  # a clean exit: no TCPStore warnings from the peers
         return 0
     except BaseException as e:  # noqa: BLE001 - a benchmark records every failure and moves on
-        rec["status"] = "oom" if _is_oom(e) else "error"
-        rec["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-600:]
-        if rec["status"] == "error":
-            rec["traceback"] = traceback.format_exc()[-3000:]
-        if dev.type == "cuda":
-            rec["peak_gb_at_failure"] = torch.cuda.max_memory_allocated(dev) / GB
-        try:
-            rec["host_rss_gb"], rec["host_maxrss_gb"] = _host_gb()
-        except Exception:  # noqa: BLE001
-            pass
+        record_failure(rec, e, dev)
         _write(rec, out_dir)
         return 1
 
 
 def _write(rec: dict, out_dir: Path):
-    path = out_dir / f"{_slug(rec['name'])}.rank{rec['rank']}.json"
-    path.write_text(json.dumps(rec, indent=1, default=str))
-    print(json.dumps({k: v for k, v in rec.items() if k not in ("traceback", "profile")}, default=str), flush=True)
-    if rec.get("traceback"):
-        print(rec["traceback"], flush=True)
-
-
-def _slug(name: str) -> str:
-    return name.replace("/", "_").replace("@", "_")
+    write_record(rec, out_dir / f"{slug(rec['name'])}.rank{rec['rank']}.json", hide=("traceback", "profile"))
 
 
 # ---- suites ----
@@ -395,8 +364,9 @@ def _v(name, kind, sp, seq, est_s, shape="qwen3-0.6b", **kw):
 
 SUITES = {
     # Issue 15, in priority order. A group runs only when all of it still fits (a comparison needs both sides).
-    # est_s: ~25 s of process start, model build and engine, plus the steps (ANCHORS.md: ours 29.5 s/step at
-    # 256k sp 2 and 57.5 s at sp 1; ALST 84 s at 256k sp 1; ours 27.4 s for the 8B shape at 131k sp 2).
+    # est_s: ~25 s of process start, model build and engine, plus the steps as measured before this runner
+    # (H200s, 2026-11-29/30: ours 29.5 s/step at 256k sp 2 and 57.5 s at sp 1; DeepSpeed's ALST pieces 84 s at
+    # 256k sp 1; ours 27.4 s for the 8B shape at 131k sp 2; benchmarks/reports/).
     "sp2": [
         _v("ours-sp2@256k", "ours", 2, 256 * K, 90, group="0.6B@256k", profile=True),
         _v("alst-sp2@256k", "alst", 2, 256 * K, 120, group="0.6B@256k"),
@@ -436,60 +406,16 @@ SUITES = {
 
 # ---- the parent ----
 
-def _child_env():
-    env = dict(os.environ)
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if torch.cuda.is_available():
-        env.setdefault("DS_ACCELERATOR", "cuda")
-    return env
-
-
 def run_variant(spec: dict, rec_dir: Path, timeout_s: float, log) -> dict:
     """Launch one variant's process group and merge its ranks' records."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec['ranks']}",
            str(Path(__file__).resolve()), "--child", json.dumps(spec), "--child-out", str(rec_dir)]
-    paths = [rec_dir / f"{_slug(spec['name'])}.rank{r}.json" for r in range(spec["ranks"])]
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile("w+") as output:
-        proc = subprocess.Popen(cmd, env=_child_env(), stdout=output, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        outcome = None
-        while proc.poll() is None:
-            if time.monotonic() - t0 > timeout_s:
-                outcome = "timeout"
-                break
-            time.sleep(0.5)
-        if proc.poll() is None:  # out of time: end torchrun and every rank (they may sit in sessions of their own)
-            _kill_tree(proc)
-        output.seek(0)
-        text = output.read()
-    wall = time.monotonic() - t0
-    log.write(f"===== {spec['name']} rc={proc.returncode} wall={wall:.1f}s\n{text}\n")
-    log.flush()
+    paths = [rec_dir / f"{slug(spec['name'])}.rank{r}.json" for r in range(spec["ranks"])]
+    text, returncode, timed_out, wall = launch(cmd, child_env(OMP_NUM_THREADS="1"), timeout_s, log, spec["name"])
     ranks = [json.loads(p.read_text()) if p.exists() else None for p in paths]
     for p in paths:
         p.unlink(missing_ok=True)
-    return merge_ranks(spec, ranks, outcome, proc.returncode, text, wall)
-
-
-def _kill_tree(proc):
-    import psutil
-
-    try:
-        ranks = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        ranks = []
-    for p in ranks:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(ranks, timeout=30)
+    return merge_ranks(spec, ranks, "timeout" if timed_out else None, returncode, text, wall)
 
 
 def merge_ranks(spec, ranks, outcome, returncode, output, wall) -> dict:
@@ -531,8 +457,6 @@ def merge_ranks(spec, ranks, outcome, returncode, output, wall) -> dict:
 def _config(spec):
     from transformers import Qwen3Config
 
-    from bench_step import SHAPES
-
     kw = dict(SHAPES[spec["shape"]])
     if spec.get("layers"):
         kw["num_hidden_layers"] = spec["layers"]
@@ -540,29 +464,11 @@ def _config(spec):
 
 
 def run_suite(variants, out_dir: Path, budget_s: float, log) -> list[dict]:
-    deadline = time.monotonic() + budget_s
-    results, skipped_groups = [], set()
+    results = []
     with tempfile.TemporaryDirectory() as rec_dir:
-        for i, spec in enumerate(variants):
-            left = deadline - time.monotonic()
-            group = spec.get("group")
-            if spec.get("only_if_skipped") and spec["only_if_skipped"] not in skipped_groups:
-                continue  # a fallback whose first choice ran
-            if group is not None and group not in skipped_groups and all(
-                    r.get("group") != group for r in results):  # the group's first variant: does all of it fit?
-                need = sum(v["est_s"] for v in variants[i:] if v.get("group") == group)
-                if left < need:
-                    skipped_groups.add(group)
-            reason = None
-            if group in skipped_groups:
-                reason = f"{left:.0f} s left < the {group} group's estimate"
-            elif left < spec["est_s"]:
-                reason = f"{left:.0f} s left < estimated {spec['est_s']} s"
+        for spec, left, reason in time_guard(variants, budget_s):
             if reason:
-                if group is not None:
-                    skipped_groups.add(group)
-                results.append(dict(spec, status="skipped", reason=reason))
-                print(f"[skip] {spec['name']}: {reason}", flush=True)
+                results.append(skipped(spec, reason))
                 continue
             print(f"[run ] {spec['name']} (est {spec['est_s']} s, {left:.0f} s left)", flush=True)
             rec = run_variant(spec, Path(rec_dir), max(5.0, left - 3), log)
@@ -572,11 +478,7 @@ def run_suite(variants, out_dir: Path, budget_s: float, log) -> list[dict]:
 
 
 def _short(r):
-    bits = []
-    for key, fmt in (("step_s", "{:.2f}s"), ("peak_gb", "{:.1f}GB"), ("loss", "loss {:.6f}"), ("error", "{}")):
-        if r.get(key) is not None:
-            bits.append(fmt.format(r[key]) if key != "error" else r[key].splitlines()[-1][:200])
-    return " ".join(bits)
+    return short(r, (("step_s", "{:.2f}s"), ("peak_gb", "{:.1f}GB"), ("loss", "loss {:.6f}")), 200)
 
 
 def comparisons(results) -> list[dict]:
@@ -614,14 +516,9 @@ def format_table(results, comps) -> str:
             f"{'static':>7} {'host GB':>8} {'TF/GPU':>7} {'loss':>10} {'warm loss':>10}  plan / offload")
     lines = [head, "-" * len(head)]
 
-    def f(r, key, fmt):
-        value = r.get(key)
-        return format(value, fmt) if isinstance(value, (int, float)) else "-"
-
+    f = cell
     for r in results:
-        peak = f(r, "peak_gb", ".1f")
-        if r.get("peak_gb") is None and r.get("peak_gb_at_failure") is not None:
-            peak = f(r, "peak_gb_at_failure", ".1f") + "*"
+        peak = peak_cell(r)
         plan = r.get("plan")
         note = (f"plain {r['offload_report'].get('plain_layers')} gpu {plan['keep_on_gpu']} "
                 f"kept-attn {plan['cache_attention_layers']}") if plan and r.get("offload_report") else ""
@@ -656,19 +553,13 @@ def format_table(results, comps) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=sorted(SUITES), default="sp2")
-    p.add_argument("--smoke", action="store_true", help="the tiny CPU suite (same as --suite smoke)")
-    p.add_argument("--only", nargs="*", help="run only these variant names")
-    p.add_argument("--budget-s", type=float, default=560.0, help="skip variants that no longer fit in this time")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = runner_args(__doc__, SUITES, "sp2", 560.0, argv)
     if args.child:
         sys.exit(run_rank(json.loads(args.child), Path(args.child_out)))
-    suite = "smoke" if args.smoke else args.suite
-    variants = [v for v in SUITES[suite] if not args.only or v["name"] in args.only]
+    suite, variants = args.suite, args.variants
+    if args.list:
+        print(list_variants(suite, variants))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # No CUDA call here beyond counting devices: the parent must not hold a context on GPU 0.
@@ -684,12 +575,8 @@ def main(argv=None):
     meta["device"] = next((r["device_name"] for res in results for r in res.get("ranks_records") or []
                            if r and r.get("device_name")), "cpu")
     comps = comparisons(results)
-    (out / f"results_{suite}.json").write_text(
-        json.dumps(dict(meta=meta, comparisons=comps, results=results), indent=1, default=str))
-    table = format_table(results, comps)
-    (out / f"table_{suite}.txt").write_text(table + "\n")
-    print(json.dumps({k: v for k, v in meta.items() if k != "argv"}))
-    print(table)
+    write_outputs(out, suite, meta, results, format_table(results, comps), extra=dict(comparisons=comps),
+                  shown_meta={k: v for k, v in meta.items() if k != "argv"})
 
 
 if __name__ == "__main__":

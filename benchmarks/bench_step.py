@@ -13,81 +13,50 @@ step. Timed: one step after one warm-up step ("full": warm-up at the same length
 plans). Peak: torch.cuda.max_memory_allocated over the timed step (reset after warm-up, optimizer state
 already allocated). GB are 1e9 bytes.
 
-Importable pieces: `build_model`, `setup_ours`, `setup_alst` (and its `install_alst_tiled_mlp`,
-`alst_loss_sum`), `setup_stock`, `bench_attention_kernel`.
+Importable pieces: `setup_ours`, `setup_alst`, `setup_stock`, `bench_attention_kernel`; what both runners share
+(the model, the ALST pieces, the record, the parent's time guard and output) is in common.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
-import resource
 import socket
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-IGNORE_INDEX = -100
-
-# Public configs (ANCHORS.md); rope_theta 1e6; 0.6B and 4B tie their embeddings, 8B does not.
-SHAPES = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=1000),
-}
-SHORT_WARMUP_TOKENS = 8192
-GB = 1e9
-
-
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def build_model(shape: str, num_layers: int | None = None, seed: int = 0, dtype=torch.bfloat16, device=None):
-    """Random-weight Qwen3 causal LM of a public shape (bf16 unless told), built directly on the device."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    kw = dict(SHAPES[shape])
-    kw.setdefault("tie_word_embeddings", True)
-    if num_layers:
-        kw["num_hidden_layers"] = num_layers
-    config = Qwen3Config(**kw, max_position_embeddings=40960, rope_theta=1e6, use_cache=False,
-                         attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    with torch.device(device or _device()):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.train()
-    return model
-
-
-def random_tokens(seq_len: int, vocab: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(seed))
-
-
-def _cudnn_first():
-    """SDPA backend priority with cuDNN first (what ulysses_lc's kernel='auto' applies on Hopper)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    IGNORE_INDEX,
+    K,
+    alst_loss_sum,
+    build_model,
+    cell,
+    child_env,
+    cudnn_first,
+    end_peak,
+    install_alst_tiled_mlp,
+    launch,
+    list_variants,
+    local_device,
+    peak_cell,
+    random_tokens,
+    record_failure,
+    runner_args,
+    short,
+    skipped,
+    slug,
+    start_peak,
+    sync,
+    time_guard,
+    warmup_tokens,
+    write_outputs,
+    write_record,
+)
 
 
 # ---- the three step implementations: each returns (batch_fn(ids_cpu) -> batch, fwd_bwd(batch) -> loss) ----
@@ -105,7 +74,7 @@ def setup_ours(model, layout, doc=None, **levers):
     def batch_fn(ids):
         n = ids.numel()
         lengths = None if doc is None else [doc] * (n // doc) + ([n % doc] if n % doc else [])
-        return shard_batch(ids, layout, document_lengths=lengths).to(_device()).as_kwargs()
+        return shard_batch(ids, layout, document_lengths=lengths).to(local_device()).as_kwargs()
 
     def fwd_bwd(batch):
         loss = wrapper(**batch)
@@ -113,45 +82,6 @@ def setup_ours(model, layout, doc=None, **levers):
         return loss
 
     return wrapper, batch_fn, fwd_bwd
-
-
-def install_alst_tiled_mlp(group=None):
-    """DeepSpeed's TiledMLP as its docstring wires it: Qwen3MLP.forward monkey-patched (for every Qwen3 model
-    in the process), shards = ceil(seqlen / hidden) agreed by an all-reduce MAX over `group` (one .item() per
-    layer call, as documented)."""
-    import torch.distributed as dist
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-    from transformers.models.qwen3 import modeling_qwen3
-
-    def mlp_forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-    def tiled_mlp_forward(self, x):
-        bs, seqlen, hidden = x.shape
-        num_shards = math.ceil(seqlen / hidden)
-        tensor = torch.tensor(num_shards, device=x.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        num_shards = tensor.item()
-        compute_params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
-        return TiledMLP.apply(mlp_forward, self, x, num_shards, compute_params)
-
-    modeling_qwen3.Qwen3MLP.forward = tiled_mlp_forward
-
-
-def alst_loss_sum(model, hidden, labels, logits_shard_gib: float = 1.0):
-    """Summed fp32 cross-entropy of `hidden` against shifted `labels` through DeepSpeed's TiledFusedLogitsLoss,
-    in shards of ~`logits_shard_gib` GiB of fp32 logits (ArcticTraining's slice size), output_reduction="sum"
-    (the docstring's advice when shards may hold different numbers of valid labels)."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
-
-    vocab = model.config.vocab_size
-
-    def loss_fn(lm_model, x, y):
-        logits = lm_model.lm_head(x).float()
-        return F.cross_entropy(logits.view(-1, vocab), y.view(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-
-    shards = max(1, math.ceil(labels.numel() * vocab * 4 / 2**30 / logits_shard_gib))
-    return TiledFusedLogitsLoss.apply(loss_fn, model, hidden, labels, None, shards, [model.lm_head.weight], "sum")
 
 
 def setup_alst(model, logits_shard_gib: float = 1.0):
@@ -175,11 +105,11 @@ def setup_alst(model, logits_shard_gib: float = 1.0):
     def batch_fn(ids):
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
         positions = torch.arange(ids.shape[1]).unsqueeze(0)
-        return {k: v.to(_device()) for k, v in dict(input_ids=ids, labels=labels, position_ids=positions).items()}
+        return {k: v.to(local_device()) for k, v in dict(input_ids=ids, labels=labels, position_ids=positions).items()}
 
     def fwd_bwd(batch):
         labels = batch["labels"]
-        with _cudnn_first(), offload_ctx:
+        with cudnn_first(), offload_ctx:
             hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                  use_cache=False).last_hidden_state
             loss = alst_loss_sum(model, hidden, labels, logits_shard_gib) / (labels != IGNORE_INDEX).sum()
@@ -196,7 +126,7 @@ def setup_stock(model):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def batch_fn(ids):
-        ids = ids.to(_device())
+        ids = ids.to(local_device())
         return dict(input_ids=ids, labels=ids)
 
     def fwd_bwd(batch):
@@ -212,10 +142,11 @@ def setup_stock(model):
 def bench_attention_kernel(lengths, backends, q_heads=16, kv_heads=8, head_dim=128, iters=3):
     """Causal SDPA fwd+bwd TF/s per (length, backend), GQA through enable_gqa (expanded KV if refused).
 
-    FLOPs: 3.5 x the causal forward's 2*L^2*heads*head_dim (ANCHORS.md convention)."""
+    FLOPs: 3.5 x the causal forward's 2*L^2*heads*head_dim (the backward counted as 2.5 forwards, as
+    Dao-AILab/flash-attention's benchmarks/benchmark_flash_attention.py counts fwd_bwd)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dev, dtype = _device(), torch.bfloat16
+    dev, dtype = local_device(), torch.bfloat16
     rows = []
     for length in lengths:
         for name in backends:
@@ -286,17 +217,6 @@ def _init_dist():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
 
 
-def _host_gb():
-    import psutil
-
-    return psutil.Process().memory_info().rss / GB, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
-
-
-def _is_oom(e: BaseException) -> bool:
-    text = str(e)
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
-
-
 def _attention_ops(fwd_bwd, batch):
     """Which SDPA implementation ran: aten op names under the profiler (CPU activity only, no CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
@@ -311,7 +231,7 @@ def run_variant(spec: dict) -> dict:
     """Build, warm up, time one step; never raises (OOM and errors become the record's status)."""
     rec = dict(spec)
     rec.update(status="error", phase="setup")
-    dev = _device()
+    dev = local_device()
     try:
         _init_dist()
         if spec["kind"] == "kernel":
@@ -351,45 +271,37 @@ def run_variant(spec: dict) -> dict:
             optimizer.zero_grad(set_to_none=True)
 
         rec["phase"] = "warmup"
-        warm_len = seq if spec.get("warmup", "full") == "full" else min(SHORT_WARMUP_TOKENS, seq)
+        warm_len = warmup_tokens(spec)
         rec["warmup_tokens"] = warm_len
-        _sync()
+        sync(dev)
         t0 = time.perf_counter()
         loss_w = step(batch_fn(random_tokens(warm_len, vocab)))
-        _sync()
+        sync(dev)
         rec["warmup_s"] = time.perf_counter() - t0
         rec["loss_warmup"] = float(loss_w)
 
         if spec.get("plan"):
-            # What the training path does: memory.plan_step_memory once the optimizer state exists (here after
-            # the warm-up step; the training path reserves the optimizer state before its first step).
+            # The training path's plan, from the memory free once the optimizer state exists (here after the
+            # warm-up step, so nothing is reserved for it; the training path plans before its first step), and
+            # for packed documents as the training path plans them (no kept outputs, the kernel's block whole).
             import dataclasses
 
-            from ulysses_lc.memory import plan_step_memory
-
-            groups = spec.get("levers", {}).get("attention_head_groups", "auto")
-            plan = plan_step_memory(module.shape, seq, layout, dev, kernel=module.attention.kernel, head_groups=groups)
+            plan = module.plan_step(seq, dev, packed=spec.get("doc") is not None, reserved_bytes=0)
             module.use_plan(plan)
             rec["plan"] = dataclasses.asdict(plan)
-            _sync()
+            sync(dev)
             torch.cuda.empty_cache()
 
         rec["phase"] = "measure"
         batch = batch_fn(random_tokens(seq, vocab))
-        _sync()
-        if dev.type == "cuda":
-            rec["static_gb"] = torch.cuda.memory_allocated() / GB  # params + optimizer state (+ batch)
-            torch.cuda.reset_peak_memory_stats()
+        start_peak(rec, dev)  # static_gb: params + optimizer state (+ batch)
         t0 = time.perf_counter()
         loss = step(batch)
-        _sync()
+        sync(dev)
         step_s = time.perf_counter() - t0
         rec["step_s"] = step_s
         rec["loss"] = float(loss)
-        if dev.type == "cuda":
-            rec["peak_gb"] = torch.cuda.max_memory_allocated() / GB
-            rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
-        rec["host_rss_gb"], rec["host_maxrss_gb"] = _host_gb()
+        end_peak(rec, dev)
         if spec["kind"] == "ours" and getattr(module, "checkpointing", None) is not None:
             rec["offload_report"] = module.checkpointing.report()
         if hasattr(fwd_bwd, "offload_ctx"):
@@ -404,16 +316,7 @@ def run_variant(spec: dict) -> dict:
         rec["tflops_effective"] = flops.effective / step_s / 1e12
         rec["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - a benchmark records every failure and moves on
-        rec["status"] = "oom" if _is_oom(e) else "error"
-        rec["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-600:]
-        if rec["status"] == "error":
-            rec["traceback"] = traceback.format_exc()[-3000:]
-        if dev.type == "cuda":
-            rec["peak_gb_at_failure"] = torch.cuda.max_memory_allocated() / GB
-        try:
-            rec["host_rss_gb"], rec["host_maxrss_gb"] = _host_gb()
-        except Exception:  # noqa: BLE001
-            pass
+        record_failure(rec, e, dev)
     return rec
 
 
@@ -423,13 +326,13 @@ def _v(name, kind, seq, est_s, shape="qwen3-0.6b", **kw):
     return dict(name=name, kind=kind, seq=seq, est_s=est_s, shape=shape, **kw)
 
 
-K = 1024
 ALL_LEVERS = {}
 CHUNK_ONLY = dict(tiled_mlp=False, offload=False)  # checkpointing on: stock recipe + chunked loss
 CHUNK_OFFLOAD = dict(tiled_mlp=False)
 
 SUITES = {
-    # issue 5, in priority order; est_s from ANCHORS step times + ~15 s process start and model build.
+    # issue 5, in priority order; est_s: the step times measured on one H200 (BENCHMARKS.md) + ~15 s of
+    # process start and model build.
     "speed": [
         dict(name="kernel", kind="kernel", lengths=[64 * K, 128 * K, 256 * K],
              backends=["CUDNN_ATTENTION", "FLASH_ATTENTION"], est_s=45),
@@ -519,44 +422,21 @@ SUITES = {
 }
 
 
-def _child_env():
-    env = dict(os.environ)
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    if torch.cuda.is_available():
-        env.setdefault("DS_ACCELERATOR", "cuda")
-    return env
-
-
 def run_suite(variants, out_dir: Path, budget_s: float, log) -> list[dict]:
-    deadline = time.monotonic() + budget_s
     results = []
-    for spec in variants:
-        left = deadline - time.monotonic()
-        if left < spec["est_s"]:
-            results.append(dict(spec, status="skipped", reason=f"{left:.0f} s left < estimated {spec['est_s']} s"))
-            print(f"[skip] {spec['name']}: {results[-1]['reason']}", flush=True)
+    for spec, left, reason in time_guard(variants, budget_s):
+        if reason:
+            results.append(skipped(spec, reason))
             continue
-        rec_path = out_dir / f".{spec['name'].replace('/', '_').replace('@', '_')}.json"
+        rec_path = out_dir / f".{slug(spec['name'])}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec), "--child-out", str(rec_path)]
-        t0 = time.monotonic()
         print(f"[run ] {spec['name']} (est {spec['est_s']} s, {left:.0f} s left)", flush=True)
-        try:
-            proc = subprocess.run(cmd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=max(5.0, left - 3))
-            output, rc = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            output = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
-            rc = "timeout"
-        wall = time.monotonic() - t0
-        log.write(f"===== {spec['name']} rc={rc} wall={wall:.1f}s\n{output}\n")
-        log.flush()
+        output, rc, timed_out, wall = launch(cmd, child_env(), max(5.0, left - 3), log, spec["name"])
         if rec_path.exists():
             rec = json.loads(rec_path.read_text())
             rec_path.unlink()
         else:
-            rec = dict(spec, status="timeout" if rc == "timeout" else "crashed", returncode=rc,
+            rec = dict(spec, status="timeout" if timed_out else "crashed", returncode="timeout" if timed_out else rc,
                        output_tail=(output or "")[-1500:])
         rec["wall_s"] = wall
         results.append(rec)
@@ -567,12 +447,7 @@ def run_suite(variants, out_dir: Path, budget_s: float, log) -> list[dict]:
 def _short(r):
     if r.get("kind") == "kernel":
         return " ".join(f"{x['length'] // K}k/{x['backend'][:5]}={x.get('tflops', 0):.0f}TF" for x in r.get("rows", []))
-    bits = []
-    for key, fmt in (("step_s", "{:.2f}s"), ("peak_gb", "{:.1f}GB"), ("tflops_effective", "eff {:.0f}TF"),
-                     ("error", "{}")):
-        if r.get(key) is not None:
-            bits.append(fmt.format(r[key]) if key != "error" else r[key].splitlines()[-1][:160])
-    return " ".join(bits)
+    return short(r, (("step_s", "{:.2f}s"), ("peak_gb", "{:.1f}GB"), ("tflops_effective", "eff {:.0f}TF")), 160)
 
 
 def format_table(results) -> str:
@@ -589,12 +464,9 @@ def format_table(results) -> str:
             continue
 
         def f(key, fmt):
-            value = r.get(key)
-            return format(value, fmt) if isinstance(value, (int, float)) else "-"
+            return cell(r, key, fmt)
 
-        peak = f("peak_gb", ".1f")
-        if r.get("peak_gb") is None and r.get("peak_gb_at_failure") is not None:
-            peak = f("peak_gb_at_failure", ".1f") + "*"
+        peak = peak_cell(r)
         ops = ",".join(k.replace("aten::_scaled_dot_product_", "") for k in (r.get("attention_ops") or {}))
         rep = r.get("offload_report") or {}
         if "checkpointed_layers" in rep:  # ours: recomputed / kept on GPU / kept attention outputs
@@ -616,28 +488,19 @@ def format_table(results) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=sorted(SUITES), default="speed")
-    p.add_argument("--smoke", action="store_true", help="the tiny CPU suite (same as --suite smoke)")
-    p.add_argument("--only", nargs="*", help="run only these variant names")
-    p.add_argument("--budget-s", type=float, default=540.0, help="skip variants that no longer fit in this time")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = runner_args(__doc__, SUITES, "speed", 540.0, argv)
     if args.child:
         rec = run_variant(json.loads(args.child))
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        Path(args.child_out).write_text(json.dumps(rec, indent=1, default=str))
-        print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}, default=str), flush=True)
-        if rec.get("traceback"):
-            print(rec["traceback"], flush=True)
+        write_record(rec, Path(args.child_out))
         return
-    suite = "smoke" if args.smoke else args.suite
-    variants = [v for v in SUITES[suite] if not args.only or v["name"] in args.only]
+    suite, variants = args.suite, args.variants
+    if args.list:
+        print(list_variants(suite, variants))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(suite=suite, torch=torch.__version__, cuda=torch.version.cuda,
@@ -651,11 +514,7 @@ def main(argv=None):
         pass
     with open(out / f"log_{suite}.txt", "w") as log:
         results = run_suite(variants, out, args.budget_s, log)
-    (out / f"results_{suite}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1, default=str))
-    table = format_table(results)
-    (out / f"table_{suite}.txt").write_text(table + "\n")
-    print(json.dumps(meta))
-    print(table)
+    write_outputs(out, suite, meta, results, format_table(results))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ import torch
 import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import _init_dist, build_model, random_tokens, setup_ours  # noqa: E402
+from bench_step import _init_dist, setup_ours  # noqa: E402
+from common import build_model, random_tokens  # noqa: E402
 
 GIB = 2**30
 KEYS = ("ulysses_lc", "transformers", "checkpoint.py")

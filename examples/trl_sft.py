@@ -36,7 +36,7 @@ parser.add_argument("--max-length", type=int, default=2048, help="longest sequen
 parser.add_argument("--packing", action="store_true", help="TRL's bfd packing (documents train apart)")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--sp-size", type=int, default=None, help="default: every rank shares one sequence")
-parser.add_argument("--ds-config", default="zero3", help="a shipped config by name (zero3, ...) or a JSON path")
+parser.add_argument("--ds-config", default="zero3", help="a config of ds_configs/ by name (zero3, ...) or a JSON path")
 parser.add_argument("--output-dir", default="runs/trl_sft")
 parser.add_argument("--lr", type=float, default=3e-3)
 args = parser.parse_args()

@@ -46,7 +46,8 @@ def test_qwen3_0_6b_shape_against_the_reference():
     assert head == 1024 * 151936
     f = model_flops_per_step(cfg, 262_144)
     assert f.attention_share > 0.9  # attention dominates at long context
-    # ANCHORS: ALST pieces on Qwen3-0.6B, 256k tokens in 84.3 s, 128k in 20.96 s, "384-453" effective TFLOPS.
+    # DeepSpeed's ALST pieces on the Qwen3-0.6B shape, one H200, 2026-11-29 (the reference measurement quoted in
+    # benchmarks/reports/2026-11-29_speed.md): 256k tokens in 84.3 s, 128k in 20.96 s, 384-453 effective TFLOPS.
     assert f.effective / 84.3 / 1e12 == pytest.approx(435.5, abs=0.5)
     assert model_flops_per_step(cfg, 131_072).effective / 20.96 / 1e12 == pytest.approx(452.8, abs=0.5)
 

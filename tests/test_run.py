@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests._dist import run_distributed
-from ulysses_lc.ds_config import CONFIG_NAMES, load_deepspeed_config
+from ulysses_lc.ds_config import CONFIG_NAMES, deepspeed_config_path, load_deepspeed_config
 from ulysses_lc.train import CheckFailed, NonFiniteError, TrainConfig, dry_run, train
 from ulysses_lc.train.console import RunLogger
 
@@ -34,6 +34,9 @@ def test_ds_config_by_name_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in CONFIG_NAMES:
         assert load_deepspeed_config(name)["zero_optimization"]["stage"] == 3
+        # From a checkout the one copy is the top-level ds_configs/ (no second copy inside the package).
+        assert deepspeed_config_path(name) == REPO / "ds_configs" / f"{name}.json"
+    assert not (REPO / "ulysses_lc" / "ds_configs").exists()
     with pytest.raises(ValueError, match="zero3, zero3_offload_optimizer, zero3_offload_all"):
         load_deepspeed_config("zero4")
 
@@ -42,15 +45,19 @@ def test_wheel_ships_configs_and_finds_them_from_another_folder(tmp_path):
     """A non-editable install (the wheel, unpacked into a target folder) finds its configs by name."""
     # Built from a copy: setuptools' in-tree build/ folder would otherwise keep stale modules between builds.
     src = tmp_path / "src"
-    shutil.copytree(REPO / "ulysses_lc", src / "ulysses_lc", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("ulysses_lc", "ds_configs"):
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(src)], check=True, cwd=tmp_path, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("ulysses_lc-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"ulysses_lc/configs/{n}.json" for n in CONFIG_NAMES} <= names
-    assert "ulysses_lc/train/loop.py" in names
+    # The top-level ds_configs/ ships inside the package; pyproject lists the packages by hand, so every module
+    # of the checkout must be in the wheel (a new subpackage left off the list fails here).
+    assert {f"ulysses_lc/ds_configs/{n}.json" for n in CONFIG_NAMES} <= names
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "ulysses_lc").rglob("*.py")}
+    assert modules <= names, sorted(modules - names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)

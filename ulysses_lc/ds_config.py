@@ -12,16 +12,31 @@ from pathlib import Path
 from .layout import ParallelLayout
 
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-# The configs shipped in the package (ulysses_lc/configs/<name>.json), found by name from any folder.
+# The configs found by name from any folder: the one copy is the checkout's top-level ds_configs/, which a wheel
+# ships as ulysses_lc/ds_configs/ (pyproject's package-dir). An installed wheel has the first folder, a checkout
+# (editable install, PYTHONPATH) the second.
+_PACKAGE = Path(__file__).resolve().parent
+CONFIG_DIRS = (_PACKAGE / "ds_configs", _PACKAGE.parent / "ds_configs")
 CONFIG_NAMES = ("zero3", "zero3_offload_optimizer", "zero3_offload_all")
 
 
+def shipped_config_path(name: str) -> Path:
+    """The file of a shipped config (one of `CONFIG_NAMES`), in the installed package or the checkout."""
+    for folder in CONFIG_DIRS:
+        path = folder / f"{name}.json"
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the shipped DeepSpeed config {name}.json is in none of {', '.join(map(str, CONFIG_DIRS))}; reinstall "
+        "ulysses_lc (`pip install .` from a checkout that has ds_configs/), or pass a JSON path."
+    )
+
+
 def deepspeed_config_path(config: str | Path) -> Path:
-    """The file a --ds-config value names: one of `CONFIG_NAMES` (shipped in the package), or a JSON path."""
+    """The file a --ds-config value names: one of `CONFIG_NAMES` (ds_configs/, shipped), or a JSON path."""
     text = str(config)
     if text in CONFIG_NAMES:
-        return CONFIG_DIR / f"{text}.json"
+        return shipped_config_path(text)
     path = Path(text).expanduser()
     if not path.is_file():
         raise ValueError(

@@ -3,9 +3,11 @@
 #   1. the embedded tiny default on 2 GPUs (sp 2) from another folder: start-up block, step lines, clean exit
 #      (no TCPStore "Failed to recv" warnings), twice (a new run folder each time);
 #   2. the same on a local jsonl of prompt/completion rows with --packing (per-document attention on CUDA).
-# Usage: bash benchmarks/checks4_2026-11-30.sh OUT_DIR
+# Usage: bash benchmarks/results/2026-11-30/checks4_2026-11-30.sh OUT_DIR
+#   from any folder: it runs from the checkout's root
 set -u
-out=${1:?output dir}
+out=$(realpath -m "${1:?output dir}")
+cd "$(dirname "$0")/../../.."   # the checkout root: the paths below are relative to it
 mkdir -p "$out" /tmp/c4
 repo=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1

@@ -3,9 +3,11 @@
 #   GPU 0: bench_step --suite refactor (the 128k plan after the restructuring), then --suite packing (256k as one
 #          sequence, as 8k and as 4k documents, each with the memory plan);
 #   GPU 1: bench_packing.py (the per-document kernel at 256k), then the main job at 128k (dryrun_train_1m.sh).
-# Usage: bash benchmarks/checks_2026-11-30.sh OUT_DIR
+# Usage: bash benchmarks/results/2026-11-30/checks_2026-11-30.sh OUT_DIR
+#   from any folder: it runs from the checkout's root
 set -u
-out=${1:?output dir}
+out=$(realpath -m "${1:?output dir}")
+cd "$(dirname "$0")/../../.."   # the checkout root: the paths below are relative to it
 mkdir -p "$out/a" "$out/b"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 (

@@ -2,10 +2,12 @@
 # Third device call on a two-GPU machine, 2026-11-30 (issues 12 and 13), the GPUs side by side:
 #   GPU 0: the CUDA packing tests (per-document loop and varlen against per-document SDPA);
 #   GPU 1: the Trainer path (examples/hf_trainer.py) at 131,072 tokens on the Qwen3-0.6B shape, random weights,
-#          to compare with the main job's step time and plan at the same length (checks_2026-11-30.sh).
-# Usage: bash benchmarks/checks3_2026-11-30.sh OUT_DIR
+#          to compare with the main job's step time and plan at the same length (checks_2026-11-30.sh, beside this one).
+# Usage: bash benchmarks/results/2026-11-30/checks3_2026-11-30.sh OUT_DIR
+#   from any folder: it runs from the checkout's root
 set -u
-out=${1:?output dir}
+out=$(realpath -m "${1:?output dir}")
+cd "$(dirname "$0")/../../.."   # the checkout root: the paths below are relative to it
 mkdir -p "$out"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
 CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests/test_packing.py -k cuda -q -rA > "$out/packing_cuda_test.txt" 2>&1 &
