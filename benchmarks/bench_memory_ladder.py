@@ -185,8 +185,8 @@ def _estimate_s(rung, host_gb) -> tuple[float, dict]:
     shape, seq, ds_name, startup = rung
     _, _, job, limits = _job_and_limits(shape, seq, ds_name, host_gb)
     seq = seq or job.longest(limits)
-    if not seq:
-        return startup, {}
+    if not seq:  # the child only prices it: no model is built
+        return 30, {}
     plan = job.plan(seq, limits)
     step = job.step_seconds(seq, plan) + (30 if job.offload_optimizer else 0)  # + CPU Adam over 8B: ~30 s, a guess
     return startup + 15 + 1.25 * step, {"seq": seq, "plan": list(plan.counts)}
