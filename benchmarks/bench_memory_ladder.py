@@ -1,8 +1,11 @@
 """The memory ladder (issue 21): the dry run's predicted GPU and host peaks against the measured ones, on one GPU.
 
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    python3 benchmarks/bench_memory_ladder.py --budget-s 480 --out $OUT                # every rung the time allows
-    python3 benchmarks/bench_memory_ladder.py --only 0.6b@512k 8b-offload --host-memory-gb 135 --out $OUT
+    python3 benchmarks/bench_memory_ladder.py --only 0.6b@64k 0.6b@256k 4b@128k 4b@256k --budget-s 560 --out $OUT
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_memory_ladder.py --only 8b-offload --host-memory-gb 135 \
+        --budget-s 560 --out $OUT/8b &    # 2 GPUs, 256 GiB host: the two rungs side by side, one GPU each
+    CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_memory_ladder.py --only 0.6b@512k --host-memory-gb 100 \
+        --budget-s 560 --out $OUT/512k; wait
     python3 benchmarks/bench_memory_ladder.py --smoke --out /tmp/ladder               # CPU, tiny shape: the paths
 
 Rungs: Qwen3-0.6B shape at 64k, 256k and 512k tokens; Qwen3-4B at 128k and 256k; Qwen3-8B with the
@@ -17,7 +20,9 @@ the process's RSS after it and its peak RSS (ru_maxrss, the whole process). Pred
 the run's plan (and the dry run's plan and verdict, and the verdict at 1.1x the length).
 
 Limits: the GPU's total memory (torch.cuda.mem_get_info) and --host-memory-gb (default: 9/10 of this machine's
-memory, one rank). A time guard skips a rung whose estimate (start-up + warm-up + 1.25 x the predicted step time)
+memory, one rank). The 8B rung cannot run on a 128 GiB host at any length (DeepSpeed's host optimizer state alone is
+131 GB: the rung says so and builds nothing); on a 256 GiB host its longest length is 565k tokens, a ~15-minute
+step, so --host-memory-gb 135 bounds it at 277,504 tokens (~4 minutes). A time guard skips a rung whose estimate (start-up + warm-up + 1.25 x the predicted step time)
 no longer fits --budget-s. Writes <out>/ladder.json (every record), <out>/points.json (the finished rungs as
 tests/data/h200_peaks.json points), <out>/ladder_table.txt; prints the table last.
 """
@@ -42,11 +47,11 @@ GB = 1e9
 K = 1024
 # name: (shape, tokens (None: the longest that fits), DeepSpeed config, start-up seconds for the time guard)
 RUNGS = {
-    "0.6b@64k": ("qwen3-0.6b", 64 * K, "zero3", 40),
-    "0.6b@256k": ("qwen3-0.6b", 256 * K, "zero3", 40),
-    "0.6b@512k": ("qwen3-0.6b", 512 * K, "zero3", 40),
-    "4b@128k": ("qwen3-4b", 128 * K, "zero3", 60),
-    "4b@256k": ("qwen3-4b", 256 * K, "zero3", 60),
+    "0.6b@64k": ("qwen3-0.6b", 64 * K, "zero3", 30),
+    "0.6b@256k": ("qwen3-0.6b", 256 * K, "zero3", 30),
+    "0.6b@512k": ("qwen3-0.6b", 512 * K, "zero3", 30),
+    "4b@128k": ("qwen3-4b", 128 * K, "zero3", 40),
+    "4b@256k": ("qwen3-4b", 256 * K, "zero3", 40),
     "8b-offload": ("qwen3-8b", None, "zero3_offload_optimizer", 180),
 }
 SMOKE = {"tiny@512": ("tiny", 512, "zero3", 30), "tiny-offload@512": ("tiny", 512, "zero3_offload_optimizer", 30)}
