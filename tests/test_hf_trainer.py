@@ -107,6 +107,7 @@ def planning_worker(rank, world, out, levers_list):
     (room for the working set and one layer input)."""
     import datasets
 
+    from tests._memory import room_for_one_input
     from ulysses_lc import memory, model as model_mod
     from ulysses_lc.hf_trainer import UlyssesTrainer
 
@@ -117,8 +118,8 @@ def planning_worker(rank, world, out, levers_list):
         trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(f"{out}/{i}", 1), sp_size=1, levers=levers,
                                  train_dataset=datasets.Dataset.from_dict({"input_ids": sequences()}))
         wrapper, seq = trainer.model, 1 << 20
-        working, _, per_input, _ = memory._layer_bytes(wrapper.shape, seq, 1, "auto", True, True)
-        memory.measure_free_memory = lambda device, layout: ((working + per_input) / 0.8 + 1, 1 << 40)
+        room = room_for_one_input(wrapper.shape, seq)
+        memory.measure_free_memory = lambda device, layout: (room, 1 << 40)
         trainer._plan_memory(seq)
         results.append((wrapper.plan, wrapper.checkpointing.offload))
     return results

@@ -170,18 +170,19 @@ def _plan(config, seq_local, free, sp_size=1, **kwargs):
 def test_memory_plan_with_kept_attention():
     shape = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
-    # 1M tokens, ~120 GB free: 96 GB planned - 58.0 GB working set (its attention block over 8 head groups:
-    # 2.1 GB) - 3.8 GB loss - 6.5 GB for the prefetched input + attention output = 27.7 GB: no room for a
-    # plain layer (34.9 GB), 4 layers of 2.1 + 4.4 GB stay on the device; with unlimited host memory every
-    # layer keeps its attention output.
-    assert _plan(shape, 1 << 20, 120e9) == MemoryPlan(28, 4, 28)
-    # 100 GB of RAM: 80 GB planned - 24 offloaded inputs x 2.1 GB = 29.6 GB -> 6 offloaded attention outputs
-    # of 4.36 GB, plus the 4 kept on the device.
-    assert _plan(shape, 1 << 20, 120e9, host_free_bytes=100e9) == MemoryPlan(28, 4, 10)
-    # 128k tokens: 19 layers skip the recompute; the 9 checkpointed keep their attention output.
-    assert _plan(shape, 1 << 17, 120e9) == MemoryPlan(9, 2, 9)
-    # Without offload the outputs come before plain layers: 11 checkpointed, all keeping outputs.
-    assert _plan(shape, 1 << 17, 120e9, offload=False) == MemoryPlan(11, 11, 11)
+    # 1M tokens, 120 GB free, by the memory model's terms (memory.step_terms: a plain layer 29.0 GB, an input 2.15,
+    # an attention output 4.36), each peak x 1.17 for the allocator's slack: 3 plain layers peak at 113.6 GB, a
+    # fourth at 147.5, one input kept on the device at 121.2; with unlimited host memory every checkpointed layer
+    # keeps its attention output there.
+    assert _plan(shape, 1 << 20, 120e9) == MemoryPlan(25, 0, 25)
+    # 100 GB of RAM: 25 offloaded inputs x 2.15 GB = 53.7 GB -> 10 offloaded attention outputs of 4.36 GB.
+    assert _plan(shape, 1 << 20, 120e9, host_free_bytes=100e9) == MemoryPlan(25, 0, 10)
+    # 30 GB of RAM: 13 inputs; the other 13 stay on the device, which then holds one plain layer fewer.
+    assert _plan(shape, 1 << 20, 120e9, host_free_bytes=30e9) == MemoryPlan(26, 13, 1)
+    # 128k tokens: 27 layers skip the recompute; the one checkpointed keeps its input and output on the device.
+    assert _plan(shape, 1 << 17, 120e9) == MemoryPlan(1, 1, 1)
+    # Without offload every input stays on the device; outputs come before plain layers: 3 of them fit at 1M, 140 GB.
+    assert _plan(shape, 1 << 20, 140e9, offload=False) == MemoryPlan(28, 28, 3)
     # No room beyond one layer's working set: recompute and offload everything (outputs to the host).
     assert _plan(shape, 1 << 20, 10e9) == MemoryPlan(28, 0, 28)
     assert _plan(shape, 1 << 20, 10e9, keep_attention=False) == MemoryPlan(28, 0, 0)

@@ -260,7 +260,8 @@ def test_dry_run_predicts_without_loading(tmp_path, monkeypatch):
     Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1e6, tie_word_embeddings=False).save_pretrained(folder)
-    cfg = TrainConfig(model=str(folder), data="tiny", seq_len=1_048_576, dry_run=True, world_size=8, sp_size=8)
+    cfg = TrainConfig(model=str(folder), data="tiny", seq_len=1_048_576, dry_run=True, world_size=8, sp_size=8,
+                      host_memory_gb=250)
     text = dry_run(cfg)
     assert "8 ranks = sp 8" in text and "YaRN factor 25.6" in text
     params = 8_190_735_360

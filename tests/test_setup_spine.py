@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests._memory import room_for_one_input
 from tests.models import build
-from ulysses_lc import SequenceParallelCausalLM, memory
+from ulysses_lc import SequenceParallelCausalLM, memory, memory_model
 from ulysses_lc.memory import optimizer_reserved_bytes, plan_memory
 
 LAYOUT = SimpleNamespace(sp_size=1, world_size=1, rank=0)  # all the wrapper reads of a layout outside a step
@@ -39,15 +40,16 @@ def test_plan_step_plans_with_the_models_own_offload_setting(free_memory):
     input stays on the device. Before one spine the Trainer path planned offload for a model that did none."""
     kept = wrap(offload=False)
     offloaded = wrap(offload=True)
-    # Room for about half the layers' inputs on the device (the tiny model's per-layer bytes at 1M tokens).
-    _, _, per_input, _ = memory._layer_bytes(kept.shape, SEQ, 1, "auto", True, True)
-    working, *_ = memory._layer_bytes(kept.shape, SEQ, 1, "auto", True, True)
-    free_memory.update(device=(working + per_input) / 0.8 + 1, host=1 << 40)
+    # Room for one layer input on the device beside one layer's recompute (the tiny model's bytes at 1M tokens).
+    free_memory.update(device=room_for_one_input(kept.shape, SEQ), host=1 << 40)
     plan_kept = kept.plan_step(SEQ, CUDA, reserved_bytes=0)
     plan_off = offloaded.plan_step(SEQ, CUDA, reserved_bytes=0)
     assert plan_kept.keep_on_gpu == plan_kept.recompute_layers  # nothing planned for the host
     assert plan_off.keep_on_gpu < plan_off.recompute_layers  # the offloading model sends inputs there
-    assert plan_kept == plan_memory(kept.shape, SEQ, free_memory["device"], host_free_bytes=1 << 40, offload=False)
+    # What plan_step_memory plans for: the free memory less NCCL's and ZeRO-3's still to come.
+    device = free_memory["device"] - memory.LATER_CONTEXT_BYTES - (
+        memory_model.zero3_working_bytes(kept.shape.largest_module_params) * (1 + memory_model.ALLOCATOR_SLACK))
+    assert plan_kept == plan_memory(kept.shape, SEQ, device, host_free_bytes=1 << 40, offload=False)
 
 
 def test_plan_step_reserves_the_optimizer_moments_of_trainable_parameters(free_memory, monkeypatch):
@@ -70,8 +72,7 @@ def test_plan_step_reserves_the_optimizer_moments_of_trainable_parameters(free_m
 
 def test_the_packed_policy_reaches_the_plan(free_memory):
     model = wrap()
-    working, *_ = memory._layer_bytes(model.shape, SEQ, 1, "auto", True, True)
-    free_memory.update(device=working / 0.8 + 1, host=1 << 40)  # every layer checkpointed and offloaded
+    free_memory.update(device=room_for_one_input(model.shape, SEQ), host=1 << 40)  # every layer checkpointed
     assert model.plan_step(SEQ, CUDA, reserved_bytes=0).cache_attention_layers > 0
     assert model.plan_step(SEQ, CUDA, reserved_bytes=0, packed=True).cache_attention_layers == 0
 

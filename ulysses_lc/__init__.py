@@ -16,6 +16,8 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   chunked_loss.py   chunked_cross_entropy / install_chunked_loss_head: no [tokens x vocab] logits
   loss.py           sp_mean_loss: the sequence's mean loss over the SP group
   memory.py         plan_memory -> MemoryPlan: what each layer keeps, from free device and host memory
+  memory_model.py   what a step holds per rank, in terms fitted to measured H200 peaks (the planner's prices)
+  sizing.py         Job: predicted memory per rank, whether it fits, the longest sequence, the step time
   model.py          SequenceParallelCausalLM: all of the above around a HF model; plan_step, plain names
   yarn.py           apply_yarn: YaRN RoPE scaling in the config, before weights load
   ds_config.py      DeepSpeed config checks

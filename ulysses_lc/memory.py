@@ -21,9 +21,10 @@ import torch
 
 from .checkpointing import checkpointed_input_bytes_per_token
 from .attention import kept_output_bytes_per_token
-from .chunked_loss import loss_head_bytes
+from .chunked_loss import auto_chunk_rows, loss_head_bytes
 from .explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
 from .layout import ParallelLayout
+from .memory_model import ALLOCATOR_SLACK, HOST_HEADROOM, StepTerms, zero3_working_bytes
 from .shape import ModelShape
 
 
@@ -69,14 +70,13 @@ class MemoryPlan:
                 f"device), {self.cache_attention_layers} keep their attention output")
 
 
-# Decoder-layer activations under the levers, bf16 bytes per local token, with q = h x d and kv = h_kv x d:
+# Decoder-layer activations under the levers, bf16 bytes per local token, with q = h x d and kv = h_kv x d: the
+# formulas the memory model (memory_model.py) scales by coefficients fitted to measured peaks:
 #   a layer that keeps everything (no recompute): the inputs of the norms and projections, q/k/v and the
-#   attention output, 2 (4e + 3q + 3kv) (26.6 KB on the Qwen3-0.6B shape; the main job at 128k measured ~26),
-#   which the planner counts x PLAIN_LAYER_MARGIN;
+#   attention output, 2 (4e + 3q + 3kv) (26.6 KB on the Qwen3-0.6B shape; 27.7 KB measured);
 #   one layer's recompute-and-backward working set: 2 (8e + 6q + 6kv), plus the attention backward's own block
-#   (explicit_attention.py) over its head groups. On the Qwen3-0.6B shape at 256k: 57 KB/token by this formula, 45
-#   KB/token measured (BENCHMARKS.md G).
-PLAIN_LAYER_MARGIN = 1.25  # the planner's allowance for what the formula misses: a plain layer too many OOMs
+#   (explicit_attention.py) over its head groups (57 KB a token on the Qwen3-0.6B shape at 256k by this formula, 36.7 KB
+#   measured beside the block, BENCHMARKS.md G).
 
 
 def plain_layer_bytes_per_token(shape: ModelShape) -> int:
@@ -90,86 +90,90 @@ def working_set_bytes_per_token(shape: ModelShape) -> int:
 def plan_memory(
     shape: ModelShape, seq_len: int, device_free_bytes: float, *, sp_size: int = 1,
     host_free_bytes: float | None = None, offload: bool = True, keep_attention: bool = True,
-    head_groups: int | str = "auto", headroom: float = 0.8,
+    head_groups: int | str = "auto", headroom: float | None = None, packed: bool = False,
 ) -> MemoryPlan:
-    """The fastest plan for a step of `seq_len` tokens (split over `sp_size` ranks) allowed
-    `device_free_bytes` more device memory and `host_free_bytes` of host memory (None: not the limit).
+    """The fastest plan for a step of `seq_len` tokens (split over `sp_size` ranks) whose activations the memory
+    model (memory_model.py) prices within `device_free_bytes` more device memory and `host_free_bytes` of host
+    memory for offloaded tensors (None: not the limit).
 
     What each choice buys, per layer, at long context where attention is most of the step:
       - keeping its attention output: the recompute skips the attention forward (~0.22 of the layer's
         attention time: a causal forward is 1 of the 4.5 passes fwd + recompute + 2.5x bwd) for
         kept_output_bytes_per_token, in host memory when the layer is offloaded;
       - no recompute at all (plain): also skips the rest of the recompute, for all its activations.
-    So: every checkpointed layer keeps its attention output when there is room for it (host memory for
-    offloaded layers, the last layers first), then as many last layers as fit skip the recompute, then as
-    many checkpointed inputs (with their outputs) as fit stay on the device; the rest are offloaded.
-    Reserved first: one layer's working set, the loss head, and the previous layer's input and attention
-    output, prefetched while a layer's backward runs. head_groups: the attention kernel's groups ("auto":
-    kernels.attention_head_groups; 1 where the kernel is not ours to call). Only `headroom` of the free
-    memory (device and host) is planned for (fragmentation, collectives' buffers, the rest of the process).
+    So: as many last layers as fit skip the recompute; of the checkpointed ones, as many inputs (with their
+    outputs) as fit stay on the device, at least as many as the host cannot take; the offloaded ones keep their
+    outputs in host memory where it has room. Without offload every checkpointed input stays on the device and
+    the outputs come before plain layers (a tenth of a plain layer's bytes for most of its time saved).
+    headroom: the share of `device_free_bytes` planned for (default: what the allocator's slack leaves,
+    memory_model.ALLOCATOR_SLACK). When nothing fits, the plan that needs the least device memory (sizing.Job.fit
+    says by how much it is over).
     """
-    layers = shape.layers
-    working, plain, kept, cached = _layer_bytes(shape, seq_len, sp_size, head_groups, keep_attention, offload)
-    plain *= PLAIN_LAYER_MARGIN
-    avail = device_free_bytes * headroom - working
-    if not offload:
-        # Every checkpointed input stays on the device. Attention outputs first (a tenth of a plain
-        # layer's bytes for most of its time saved), then plain layers with what is left.
-        per_ckpt = kept + cached
-        if avail < layers * per_ckpt:
-            n_cache = min(layers, int(max(avail - layers * kept, 0) // cached)) if cached else 0
-            return MemoryPlan(layers, layers, n_cache)
-        n_plain = min(layers, int((avail - layers * per_ckpt) // (plain - per_ckpt)))
-        recompute = layers - n_plain
-        return MemoryPlan(recompute, recompute, recompute if cached else 0)
-    if avail <= 0:
-        host = float("inf") if host_free_bytes is None else host_free_bytes * headroom - layers * kept
-        n_cache = (layers if host == float("inf") else min(layers, int(max(host, 0) // cached))) if cached else 0
-        return MemoryPlan(layers, 0, n_cache)
-    n_plain = min(layers, int(avail // plain))
-    avail -= n_plain * plain
-    recompute = layers - n_plain
-    keep = min(recompute, int(avail // (kept + cached)))
-    n_cache = keep if cached else 0
-    if cached:
-        offloaded = recompute - keep
-        if host_free_bytes is None:
-            n_cache += offloaded
-        else:
-            # The offloaded inputs go to the host first: they are not optional.
-            host = host_free_bytes * headroom - offloaded * kept
-            n_cache += min(offloaded, int(max(host, 0) // cached))
-    return MemoryPlan(recompute, keep, n_cache)
+    terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups, keep_attention=keep_attention,
+                       offload=offload, packed=packed)
+    device = device_free_bytes * (1 / (1 + ALLOCATOR_SLACK) if headroom is None else headroom)
+    return _choose(terms, device, float("inf") if host_free_bytes is None else host_free_bytes)
 
 
-def _layer_bytes(shape: ModelShape, seq_len: int, sp_size: int, head_groups, keep_attention: bool, offload: bool):
-    """Per rank: (one layer's working set with the loss head and the prefetched layer, a layer that keeps all
-    its activations, a checkpointed input, a kept attention output)."""
+def _choose(terms: StepTerms, device: float, host: float) -> MemoryPlan:
+    layers, cache_all = terms.layers, terms.cached > 0
+    if not terms.offload:
+        for plain in range(layers, -1, -1):
+            recompute = layers - plain
+            if terms.device_peak(recompute, recompute, recompute) <= device:
+                return MemoryPlan(recompute, recompute, recompute if cache_all else 0)
+        n_cache = max((c for c in range(layers + 1) if terms.device_peak(layers, layers, c) <= device), default=0)
+        return MemoryPlan(layers, layers, n_cache if cache_all else 0)
+    for plain in range(layers, -1, -1):
+        recompute = layers - plain
+        # The inputs the host cannot take stay on the device: they are not optional.
+        keep_min = next((k for k in range(recompute + 1) if (recompute - k) * terms.kept <= host), None)
+        if keep_min is None or terms.device_peak(recompute, keep_min, 0) > device:
+            continue
+        keep = max((k for k in range(keep_min, recompute + 1)
+                    if terms.device_peak(recompute, k, k) <= device), default=None)
+        if keep is None:  # the kept inputs fit, not all their outputs: outputs for as many as fit, none on the host
+            cache = max(c for c in range(keep_min + 1) if terms.device_peak(recompute, keep_min, c) <= device)
+            return MemoryPlan(recompute, keep_min, cache if cache_all else 0)
+        cache = keep
+        while cache_all and cache < recompute and terms.host_pinned(recompute, keep, cache + 1) <= host:
+            cache += 1
+        return MemoryPlan(recompute, keep, cache if cache_all else 0)
+    # Nothing fits: the least device memory, with outputs kept where the host has room for them.
+    keep = next((k for k in range(layers + 1) if (layers - k) * terms.kept <= host), layers)
+    cache = keep
+    while cache_all and cache < layers and terms.host_pinned(layers, keep, cache + 1) <= host:
+        cache += 1
+    return MemoryPlan(layers, keep, cache if cache_all and cache > keep else 0)
+
+
+def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups: int | str = "auto",
+               keep_attention: bool = True, offload: bool = True, packed: bool = False) -> StepTerms:
+    """Per rank, the terms of one step the memory model prices, from the levers' own bytes (memory_model.py)."""
     seq_local = -(-seq_len // sp_size)
     s_pad = seq_local * sp_size
     heads_local, kv_local = shape.local_heads(sp_size), shape.local_kv_heads(sp_size)
     groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
                                                                              shape.head_dim)
     block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
-    kept = seq_local * checkpointed_input_bytes_per_token(shape)
-    cached = seq_local * kept_output_bytes_per_token(shape) if keep_attention else 0
-    working = (seq_local * working_set_bytes_per_token(shape) + block + loss_head_bytes(shape, seq_local)
-               + (kept + cached if offload else 0))
-    return working, seq_local * plain_layer_bytes_per_token(shape), kept, cached
+    output = seq_local * kept_output_bytes_per_token(shape)
+    chunk = auto_chunk_rows(shape.vocab) * shape.vocab * 4  # one chunk's fp32 logits, inside loss_head_bytes
+    return StepTerms.fitted(
+        layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape),
+        working_formula=seq_local * working_set_bytes_per_token(shape), block=block,
+        kept=seq_local * checkpointed_input_bytes_per_token(shape),
+        cached=output if keep_attention and not packed else 0, attention_output=output,
+        loss=loss_head_bytes(shape, seq_local) - chunk, loss_chunk=chunk, sp_size=sp_size, packed=packed,
+        offload=offload)
 
 
 def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: int = 1, head_groups: int | str = "auto",
-               offload: bool = True) -> tuple[int, int]:
-    """(device, host) bytes per rank of one step's activations under `plan`, by plan_memory's own terms without
-    its margins (headroom, PLAIN_LAYER_MARGIN): what --dry-run predicts."""
-    working, plain, kept, cached = _layer_bytes(shape, seq_len, sp_size, head_groups,
-                                                plan.cache_attention_layers > 0, offload)
-    on_device = plan.keep_on_gpu if offload else plan.recompute_layers
-    cached_on_device = min(plan.cache_attention_layers, on_device)
-    device = (working + (shape.layers - plan.recompute_layers) * plain + on_device * kept
-              + cached_on_device * cached)
-    host = (plan.recompute_layers - on_device) * kept + (plan.cache_attention_layers - cached_on_device) * cached
-    return int(device), int(host)
+               offload: bool = True, packed: bool = False) -> tuple[int, int]:
+    """(device, host) bytes per rank of one step's activations under `plan`, by the memory model the planner chooses
+    with (memory_model.py): the device's peak and the pinned host buffers. What --dry-run predicts, with the state."""
+    terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups,
+                       keep_attention=plan.cache_attention_layers > 0, offload=offload, packed=packed)
+    return int(terms.device_peak(*plan.counts)), int(terms.host_pinned(*plan.counts))
 
 
 # ZeRO-3's state per parameter: bf16 param (2) + fp32 master (4) + fp32 grad (4) + AdamW's two fp32 moments (8).
@@ -231,21 +235,35 @@ def measure_free_memory(device: torch.device, layout: ParallelLayout) -> tuple[i
 def plan_step_memory(
     shape: ModelShape, seq_len: int, layout: ParallelLayout, device: torch.device, *, kernel: str = "auto",
     head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0, packed: bool = False,
+    budget: tuple[float, float] | None = None,
 ) -> MemoryPlan:
     """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
-    allocated (`optimizer_reserved_bytes` before the first step). Collective on CUDA. Without CUDA: every layer
-    checkpointed and offloaded, attention outputs kept where the kernel allows (on a CPU that only exercises
-    the paths). packed: the steps train packed documents (`attention_policy`). Drivers call it through
+    allocated (`optimizer_reserved_bytes` before the first step), ZeRO-3's gathered weights during the step and
+    NCCL's and cuDNN's memory still to come. Collective on CUDA. Without CUDA: every layer checkpointed and
+    offloaded, attention outputs kept where the kernel allows (on a CPU that only exercises the paths). packed: the
+    steps train packed documents (`attention_policy`). budget: (device, host) bytes the plan may use by the dry
+    run's arithmetic for the run's limits (sizing.Job.budget, --host-memory-gb); the smaller of each and what is
+    free wins, so the run's plan is never larger than the dry run's. Drivers call it through
     `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload."""
     keep_attention, groups = attention_policy(shape, kernel, head_groups, packed)
     if device.type != "cuda":
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
     device_free, host_free = measure_free_memory(device, layout)
+    device_free -= (reserved_bytes + LATER_CONTEXT_BYTES
+                    + zero3_working_bytes(shape.largest_module_params) * (1 + ALLOCATOR_SLACK))
+    host_free *= HOST_HEADROOM
+    if budget is not None:
+        device_free, host_free = min(device_free, budget[0]), min(host_free, budget[1])
     return plan_memory(
-        shape, seq_len, device_free - reserved_bytes, sp_size=layout.sp_size, host_free_bytes=host_free,
-        offload=offload, keep_attention=keep_attention, head_groups=groups,
+        shape, seq_len, device_free, sp_size=layout.sp_size, host_free_bytes=max(host_free, 0),
+        offload=offload, keep_attention=keep_attention, head_groups=groups, packed=packed,
     )
 
 
+# Device memory taken outside the caching allocator after the plan: the SP group's NCCL communicator (created at
+# the first exchange) and cuDNN's plans; the dry run counts all of memory_model.CONTEXT_BYTES.
+LATER_CONTEXT_BYTES = 10**9
+
+
 __all__ = ["MemoryPlan", "attention_policy", "can_keep_attention", "measure_free_memory", "optimizer_reserved_bytes",
-           "plan_bytes", "plan_memory", "plan_step_memory", "zero3_state_bytes"]
+           "plan_bytes", "plan_memory", "plan_step_memory", "step_terms", "zero3_state_bytes"]

@@ -52,6 +52,16 @@ def _mlp_matmul_params(cfg, layer: int) -> int:
     return e * experts + cfg.num_experts_per_tok * 3 * e * cfg.moe_intermediate_size + 3 * e * shared
 
 
+def _mlp_params(cfg, layer: int) -> int:
+    """Weights an MLP holds: dense 3 e i; MoE the router and every expert (+ a shared expert)."""
+    e = cfg.hidden_size
+    if not _is_moe_layer(cfg, layer):
+        return 3 * e * cfg.intermediate_size
+    experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
+    return e * experts + experts * 3 * e * cfg.moe_intermediate_size + 3 * e * shared
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only transformer that memory and FLOPs depend on."""
@@ -67,6 +77,7 @@ class ModelShape:
     layer_matmul_params: int  # weights every token meets in the decoder layers (attention + MLP)
     attention_dropout: float = 0.0
     model_type: str = ""
+    layer_params: int = 0  # weights of the largest decoder layer, every expert counted (what ZeRO-3 gathers at once)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -76,12 +87,13 @@ class ModelShape:
         d = getattr(cfg, "head_dim", None) or e // heads
         attention = 2 * e * heads * d + 2 * e * kv_heads * d  # q and o, k and v projections
         layer_params = sum(attention + _mlp_matmul_params(cfg, n) for n in range(cfg.num_hidden_layers))
+        largest_layer = max(attention + _mlp_params(cfg, n) for n in range(cfg.num_hidden_layers))
         return cls(
             layers=cfg.num_hidden_layers, hidden=e, intermediate=cfg.intermediate_size, heads=heads,
             kv_heads=kv_heads, head_dim=d, vocab=getattr(cfg, "vocab_size", 0) or 0,
             tied_head=bool(getattr(config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
             layer_matmul_params=layer_params, attention_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
-            model_type=getattr(cfg, "model_type", "") or "",
+            model_type=getattr(cfg, "model_type", "") or "", layer_params=largest_layer,
         )
 
     @property
@@ -93,6 +105,11 @@ class ModelShape:
     def kv_width(self) -> int:
         """h_kv x d: one token's key (or value) width."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def largest_module_params(self) -> int:
+        """Weights of the largest module ZeRO-3 gathers whole: the embedding (e x v) or one decoder layer."""
+        return max(self.hidden * self.vocab, self.layer_params)
 
     @property
     def head_matmul_params(self) -> int:

@@ -41,8 +41,14 @@ def main(argv=None) -> None:
         cfg = parse_args(argv)
         if cfg.dry_run:
             from .dry_run import dry_run
+            from .estimate import DoesNotFit
 
-            print(dry_run(cfg), flush=True)
+            try:
+                print(dry_run(cfg), flush=True)
+            except DoesNotFit as e:  # the plan and prediction first, then (as every failure) the cause, last
+                if e.report:
+                    print(e.report, flush=True)
+                raise
             return
         from .loop import train
 

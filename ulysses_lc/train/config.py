@@ -55,7 +55,9 @@ class TrainConfig:
     export: bool = True
     dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
     world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
-    gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default: this GPU, or 141)
+    gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default 149, an H200)
+    host_memory_gb: float | None = None  # host memory per rank (default: the node's over its local ranks)
+    max_seq_len: bool = False  # --dry-run only: find the longest --seq-len that fits
 
     @property
     def data_settings(self) -> DataSettings:
@@ -80,6 +82,12 @@ class TrainConfig:
         if not valid_head_groups(self.attention_head_groups):
             raise ValueError(f"--attention-head-groups {self.attention_head_groups!r}: give 'auto' or a whole "
                              "number >= 1.")
+        for flag in ("gpu_memory_gb", "host_memory_gb"):
+            value = getattr(self, flag)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} {value} must be positive (GB per GPU / per rank).")
+        if self.max_seq_len and not self.dry_run:
+            raise ValueError("--max-seq-len sizes a run without loading it; add --dry-run.")
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
@@ -169,6 +177,12 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "loads no weights and touches no GPU")
     p.add_argument("--world-size", type=int, help="--dry-run: GPUs to plan for (default: this launch's)")
     p.add_argument("--gpu-memory-gb", type=float, help="--dry-run: memory per GPU (default 149, an H200)")
+    p.add_argument("--host-memory-gb", type=float,
+                   help="host memory per rank the plan may use, offloaded state and activations included (default: "
+                        "9/10 of the node's memory over its local ranks)")
+    p.add_argument("--max-seq-len", action="store_true", default=None,
+                   help="--dry-run: the longest --seq-len that fits --world-size, --sp-size, --gpu-memory-gb and "
+                        "--host-memory-gb, with its plan and predicted step time")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

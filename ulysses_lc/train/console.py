@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..metrics import StepLogger
-
-GB = 1e9
+from ..sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
 
 
 class RunLogger(StepLogger):
@@ -39,22 +38,27 @@ def layout_line(layout) -> str:
             "(sequences per step)")
 
 
-def _plan_reason(cfg, device: str) -> str:
+def _plan_reason(cfg, device: str, estimate) -> str:
     flags = [f"--{n.replace('_', '-')}" for n in ("recompute_layers", "keep_on_gpu", "cache_attention_layers")
              if getattr(cfg, n) is not None]
     if device != "gpu":
         why = "no GPU: every layer checkpointed and offloaded, to exercise the paths"
+    elif estimate.fit is not None and not estimate.fit.fits:
+        why = "the least memory a plan can take, and it does not fit (limits below)"
     else:
-        why = "the fastest plan that fits the free device and host memory (memory.plan_memory)"
+        why = "the fastest plan that fits the limits below (memory.plan_memory)"
     return why + (f", with {', '.join(flags)} as given" if flags else "")
 
 
-def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str) -> str:
-    """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory."""
+def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
+                  limits_line: str | None = None) -> str:
+    """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory,
+    and against `limits_line`'s limits (estimate.fit) whether the plan fits."""
     rope = getattr(checked.model_config, "rope_parameters", None) or {}
     yarn = f"YaRN factor {rope['factor']:g}" if rope.get("rope_type") == "yarn" else "no YaRN (within the trained length)"
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
+    m = estimate.memory
     lines = [
         f"output    {out}" if out is not None else "output    none (dry run)",
         f"layout    {layout_line}",
@@ -66,9 +70,15 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
         + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),
         f"plan      {layers - plan.recompute_layers} plain layers, {plan.recompute_layers} checkpointed "
         f"({offloaded} offloaded to host, {plan.keep_on_gpu} kept on {device}), "
-        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device)}",
-        f"memory    per rank, predicted: {device} {estimate.gpu / GB:.1f} GB (ZeRO-3 state {estimate.state_gpu / GB:.1f}, "
-        f"activations {estimate.act_gpu / GB:.1f}), host {estimate.host / GB:.1f} GB "
-        f"(state {estimate.state_host / GB:.1f}, offloaded activations {estimate.act_host / GB:.1f})",
+        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device, estimate)}",
+        f"memory    per rank, predicted: {device} {m.gpu / GB:.1f} GB peak (ZeRO-3 state {m.state_gpu / GB:.1f}, "
+        f"gathered weights {m.gathered / GB:.1f}, activations {m.act_gpu / GB:.1f}), host {m.host / GB:.1f} GB "
+        f"(process {m.process_host / GB:.1f}, state {m.state_host / GB:.1f}, offloaded activations {m.act_host / GB:.1f})",
     ]
+    if estimate.fit is not None:
+        lines.append(f"limits    {limits_line}: {estimate.fit.verdict()}")
+    if device == "gpu":
+        lines.append(f"step      {estimate.step_s:,.1f} s predicted (model FLOPs at an H200's measured rates: attention "
+                     f"{ATTENTION_FLOPS_PER_S / 1e12:.0f}, matmul {MATMUL_FLOPS_PER_S / 1e12:.0f} TF/s"
+                     + ("; packed documents take less" if cfg.packing else "") + ")")
     return "\n".join(["ulysses_lc " + ("dry run" if cfg.dry_run else "run")] + ["  " + line for line in lines])

@@ -1,43 +1,54 @@
-"""--dry-run: every check, the memory plan and the predicted memory per rank, from the model config alone.
+"""--dry-run: every check, the memory plan, the predicted memory per rank and step time, from the model config alone;
+with --max-seq-len, the longest sequence that fits.
 
 Loads no weights, starts no process group and touches no GPU, so a user sizes a 1M-token run on a laptop
-before renting the GPUs: `python examples/train_1m.py --dry-run --model Qwen/Qwen3-8B --world-size 8`.
+before renting the GPUs: `python examples/train_1m.py --dry-run --model Qwen/Qwen3-8B --world-size 8`. A plan that
+does not fit raises DoesNotFit (the command exits 1) saying what is over, by how much, and what would fit.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..distributed import world_size
 from ..layout import ParallelLayout
-from ..memory import attention_policy, plan_memory, zero3_state_bytes
-from ..shape import ModelShape
 from .config import TrainConfig
 from .console import layout_line, startup_block
-from .estimate import count_params, estimate_memory
+from .estimate import DoesNotFit, count_params, estimate_memory, job_for, limits_for
 from .preflight import preflight
 
 
 def dry_run(cfg: TrainConfig) -> str:
-    """Every check, the memory plan and the predicted GPU and host memory per rank, as text; loads no
-    weights, starts no process group and touches no GPU. World size: cfg.world_size, else this launch's.
-    Device memory: cfg.gpu_memory_gb per GPU (default an H200's); host memory is taken as no limit (this
-    machine's is not the GPU machine's), so the plan is the one a GPU host with enough RAM gets."""
-    checked = preflight(cfg, cfg.world_size or world_size())
+    """Every check, the memory plan, the predicted GPU and host memory per rank and step time, as text; loads no
+    weights, starts no process group and touches no GPU. World size: cfg.world_size, else this launch's. Limits
+    per rank: cfg.gpu_memory_gb (default an H200's), cfg.host_memory_gb (default: HOST_HEADROOM of this machine's
+    memory over its local ranks: launched, the launcher's count, else the world size up to 8). cfg.max_seq_len:
+    plan at the longest sequence that fits instead of cfg.seq_len. DoesNotFit (a CheckFailed) when the plan does
+    not fit; its `report` is the text this would have returned."""
+    ranks = cfg.world_size or world_size()
+    checked = preflight(cfg, ranks)
     num_params = count_params(checked.model_config)
-    gpu_bytes = (cfg.gpu_memory_gb or DEFAULT_GPU_GB) * 1e9
-    state_gpu, _ = zero3_state_bytes(num_params, checked.world_size, checked.ds_config)
-    shape = ModelShape.from_config(checked.model_config)
-    keep_attention, head_groups = attention_policy(shape, cfg.kernel, cfg.attention_head_groups, cfg.packing)
-    plan = plan_memory(shape, cfg.seq_len, gpu_bytes - state_gpu - CONTEXT_BYTES, sp_size=checked.sp_size,
-                       keep_attention=keep_attention, head_groups=head_groups)
-    plan = plan.with_overrides(cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
+    job = job_for(cfg, checked, num_params)
+    limits, limits_line = limits_for(cfg, checked.world_size)
+    longest_line = None
+    if cfg.max_seq_len:
+        longest = job.longest(limits)
+        if not longest:
+            shortest = job.fit(1024 * checked.sp_size, limits)
+            raise DoesNotFit(f"no sequence fits {limits_line}: at {shortest.seq_len:,} tokens it "
+                                f"{shortest.verdict()}", job.alternatives(shortest.seq_len, limits), "")
+        over = job.fit(int(longest * 1.1), limits)
+        longest_line = (f"longest   {longest:,} tokens fit (multiples of {1024 * checked.sp_size:,}); 1.1x that, "
+                        f"{over.seq_len:,}: {over.verdict()}")
+        cfg = replace(cfg, seq_len=longest)
+        checked = preflight(cfg, ranks)  # the YaRN factor of the new length
+    plan = job.plan(cfg.seq_len, limits).with_overrides(cfg.recompute_layers, cfg.keep_on_gpu,
+                                                        cfg.cache_attention_layers)
+    estimate = estimate_memory(cfg, checked, plan, num_params, limits)
     layout = ParallelLayout(checked.world_size, checked.sp_size)
     block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
-                          kernel=cfg.kernel, plan=plan, estimate=estimate_memory(cfg, checked, plan, num_params),
-                          device="gpu")
-    return (f"{block}\n  assumes   {gpu_bytes / 1e9:.0f} GB per GPU (--gpu-memory-gb), host memory not the limit; "
-            "nothing was loaded")
-
-
-DEFAULT_GPU_GB = 149.0  # an H200: 139 GiB usable as torch reports it (BENCHMARKS.md), what the benchmarks ran on
-# CUDA context, NCCL buffers and the allocator's own blocks, which the planner does not see: an allowance.
-CONTEXT_BYTES = 2 * 10**9
+                          kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line)
+    text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else []) + ["  nothing was loaded"])
+    if not estimate.fit.fits:
+        raise DoesNotFit(estimate.fit.verdict(), job.alternatives(cfg.seq_len, limits), text)
+    return text

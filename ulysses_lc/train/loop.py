@@ -32,7 +32,7 @@ from ..sharding import shard_batch
 from .run_state import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint, write_run_file
 from .config import TrainConfig
 from .console import RunLogger, layout_line, startup_block
-from .estimate import estimate_memory
+from .estimate import estimate_memory, job_for, plan_reservations, run_limits
 from .export import EXPORT_DIR, export_hf_model
 from .loading import load_model, load_tokenizer
 from .preflight import preflight
@@ -95,14 +95,19 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
-    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packing).with_overrides(
+    # The plan is no larger than the dry run's for this machine's limits, and one that does not fit stops here.
+    limits, limits_line = run_limits(cfg, checked, device, layout) or (None, None)
+    reserve = plan_reservations(job_for(cfg, checked, num_params), limits) if limits else {}
+    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packing, **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
+    estimate = estimate_memory(cfg, checked, plan, num_params, limits)
     if rank0:
         logger.info(startup_block(
             out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
-            kernel=cfg.kernel, plan=plan, estimate=estimate_memory(cfg, checked, plan, num_params),
-            device="gpu" if device.type == "cuda" else "cpu"))
+            kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if device.type == "cuda" else "cpu",
+            limits_line=limits_line))
+    estimate.check()
 
     start_step = 0
     if cfg.resume:

@@ -1,0 +1,273 @@
+"""The memory ladder (issue 21): the dry run's predicted GPU and host peaks against the measured ones, on one GPU.
+
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    python3 benchmarks/bench_memory_ladder.py --only 0.6b@64k 0.6b@256k 4b@128k 4b@256k --budget-s 560 --out $OUT
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_memory_ladder.py --only 8b-offload --host-memory-gb 135 \
+        --budget-s 560 --out $OUT/8b &    # 2 GPUs, 256 GiB host: the two rungs side by side, one GPU each
+    CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_memory_ladder.py --only 0.6b@512k --host-memory-gb 100 \
+        --budget-s 560 --out $OUT/512k; wait
+    python3 benchmarks/bench_memory_ladder.py --smoke --out /tmp/ladder               # CPU, tiny shape: the paths
+
+Rungs: Qwen3-0.6B shape at 64k, 256k and 512k tokens; Qwen3-4B at 128k and 256k; Qwen3-8B with the
+`zero3_offload_optimizer` config at its longest dry-run length (sizing.Job.longest for this GPU and host). Each
+rung runs in its own process, the main job's way (ulysses_lc.train.loop): random bf16 weights made on the GPU,
+SequenceParallelCausalLM with every lever, deepspeed.initialize with the config's optimizer
+(torch AdamW, or DeepSpeed's CPU Adam where the optimizer is offloaded), then the plan as the run makes it
+(`plan_step` with `train.estimate.plan_reservations`: the dry run's budget for this machine's limits). Then one
+warm-up step at 8k tokens with every layer plain (AdamW's moments allocated, no pinned buffers made), the plan,
+and one measured step at the rung's length: torch.cuda.max_memory_allocated and max_memory_reserved over it,
+the process's RSS after it and its peak RSS (ru_maxrss, the whole process). Predicted: sizing.Job.predict for
+the run's plan (and the dry run's plan and verdict, and the verdict at 1.1x the length).
+
+Limits: the GPU's total memory (torch.cuda.mem_get_info) and --host-memory-gb (default: 9/10 of this machine's
+memory, one rank). The 8B rung cannot run on a 128 GiB host at any length (DeepSpeed's host optimizer state alone is
+131 GB: the rung says so and builds nothing); on a 256 GiB host its longest length is 565k tokens, a ~15-minute
+step, so --host-memory-gb 135 bounds it at 277,504 tokens (~4 minutes). A time guard skips a rung whose estimate (start-up + warm-up + 1.25 x the predicted step time)
+no longer fits --budget-s. Writes <out>/ladder.json (every record), <out>/points.json (the finished rungs as
+tests/data/h200_peaks.json points), <out>/ladder_table.txt; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+GB = 1e9
+K = 1024
+# name: (shape, tokens (None: the longest that fits), DeepSpeed config, start-up seconds for the time guard)
+RUNGS = {
+    "0.6b@64k": ("qwen3-0.6b", 64 * K, "zero3", 30),
+    "0.6b@256k": ("qwen3-0.6b", 256 * K, "zero3", 30),
+    "0.6b@512k": ("qwen3-0.6b", 512 * K, "zero3", 30),
+    "4b@128k": ("qwen3-4b", 128 * K, "zero3", 40),
+    "4b@256k": ("qwen3-4b", 256 * K, "zero3", 40),
+    "8b-offload": ("qwen3-8b", None, "zero3_offload_optimizer", 180),
+}
+SMOKE = {"tiny@512": ("tiny", 512, "zero3", 30), "tiny-offload@512": ("tiny", 512, "zero3_offload_optimizer", 30)}
+WARMUP_TOKENS = 8 * K
+
+
+def _config(shape: str, seq: int):
+    from tests.test_memory_prediction import qwen3_config
+    from ulysses_lc.tiny import tiny_model_config
+    from ulysses_lc.yarn import apply_yarn
+
+    config = tiny_model_config() if shape == "tiny" else qwen3_config(shape)
+    config.use_cache = False
+    return apply_yarn(config, max(seq, WARMUP_TOKENS))
+
+
+def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | None):
+    import psutil
+
+    from ulysses_lc import ModelShape
+    from ulysses_lc.ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config
+    from ulysses_lc.ds_config import resolve_precision
+    from ulysses_lc.layout import ParallelLayout
+    from ulysses_lc.sizing import Job, Limits
+    from ulysses_lc.train.estimate import count_params
+
+    cuda = torch.cuda.is_available()
+    config = _config(shape, seq or WARMUP_TOKENS)
+    ds_config = check_deepspeed_config(load_deepspeed_config(ds_name), ParallelLayout(1, 1), gradient_accumulation_steps=1)
+    check_optimizer_block(resolve_precision(ds_config, torch.bfloat16 if cuda else torch.float32), 1e-5, 0.0)
+    num_params = count_params(config)
+    job = Job.from_ds_config(ModelShape.from_config(config), num_params, 1, 1, ds_config)
+    gpu = torch.cuda.mem_get_info()[1] if cuda else 150e9
+    limits = Limits(gpu, host_gb * GB if host_gb else 0.9 * psutil.virtual_memory().total)
+    return config, ds_config, job, limits
+
+
+def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) -> dict:
+    """One rung in this process: its predicted and measured peaks. client_adam: with an offloaded optimizer, torch's
+    AdamW on the host partitions instead of DeepSpeed's CPU Adam (whose C++ op is built at first use): the same
+    fp32 master, gradient and moments on the host."""
+    import deepspeed
+    import psutil
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
+    from ulysses_lc.distributed import init_distributed
+    from ulysses_lc.train.estimate import plan_reservations
+
+    shape, seq, ds_name, _ = rung
+    rec = dict(id=name, date=time.strftime("%Y-%m-%d"), shape=shape, ds_config=ds_name, sp=1, world=1,
+               head_groups="auto", packed=False, harness="zero3", command=" ".join(sys.argv))
+    config, ds_config, job, limits = _job_and_limits(shape, seq, ds_name, host_gb)
+    rec.update(params=job.num_params, layers=job.shape.layers, limits_gb=[limits.gpu_bytes / GB, limits.host_bytes / GB])
+    if seq is None:
+        seq = job.longest(limits)
+        if not seq:
+            rec.update(status="no length fits", verdict=job.fit(1024, limits).verdict())
+            return rec
+    config = _config(shape, seq)
+    if client_adam and "optimizer" in ds_config:
+        ds_config = {k: v for k, v in ds_config.items() if k != "optimizer"}
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+        rec["optimizer"] = "torch AdamW on the host"
+    dry = job.fit(seq, limits)
+    rec.update(seq=seq, dry_plan=list(dry.plan.counts), verdict=dry.verdict(),
+               verdict_1p1=job.fit(int(seq * 1.1), limits).verdict())
+    init_distributed()
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        rec["machine"] = f"{torch.cuda.get_device_name(dev)}, {psutil.virtual_memory().total / GB:.0f} GB host"
+    layout = ParallelLayout.build(1)
+    torch.manual_seed(0)
+    # Random weights made on the device, partitioned by deepspeed.initialize (one rank: the same state as zero.Init's).
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    wrapper = SequenceParallelCausalLM(model, layout)
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW([p for p in wrapper.parameters() if p.requires_grad], lr=1e-5,
+                                      fused=dev.type == "cuda")
+    engine, *_ = deepspeed.initialize(model=wrapper, optimizer=optimizer, config=ds_config, mpu=layout.mpu,
+                                      model_parameters=wrapper.parameters() if optimizer is None else None)
+    engine.train()
+    plan = wrapper.plan_step(seq, dev, **plan_reservations(job, limits))  # the run's plan, as loop.py makes it
+    predicted = job.predict(seq, plan)
+    rec.update(plan=list(plan.counts), predicted_gpu=predicted.gpu / GB, predicted_gpu_needed=predicted.gpu_needed / GB,
+               predicted_host=predicted.host / GB, predicted_step_s=job.step_seconds(seq, plan))
+    vocab = config.vocab_size
+
+    def step(tokens: int) -> float:
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+        batch = shard_batch(ids, layout, vocab_size=vocab).to(dev).as_kwargs()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(**batch)
+        engine.backward(loss)
+        engine.step()
+        rec.setdefault("losses", []).append(float(loss.detach()))
+        return time.perf_counter() - t0
+
+    wrapper.use_plan(MemoryPlan(0, 0, 0))  # warm-up: optimizer state made, no pinned buffers
+    rec["warmup_s"] = step(min(WARMUP_TOKENS, seq))
+    wrapper.use_plan(plan)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        rec["step_s"] = step(seq)
+        rec["status"] = "ok"
+    except torch.OutOfMemoryError as e:
+        rec.update(status="oom", error=str(e).splitlines()[0])
+    if dev.type == "cuda":
+        rec.update(gpu_peak=torch.cuda.max_memory_allocated(dev) / GB,
+                   gpu_reserved=torch.cuda.max_memory_reserved(dev) / GB)
+    report = wrapper.checkpointing.report()
+    rec.update(host_rss=psutil.Process().memory_info().rss / GB,
+               host_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
+               pinned=report.get("host_bytes", 0) / GB)
+    return rec
+
+
+def _child(cmd, log_path: Path, seconds: float) -> str | None:
+    """Run one rung's process; None when it finished, else why not."""
+    with open(log_path, "w") as log:
+        try:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(seconds, 1), cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return f"timeout after {seconds:.0f} s"
+    return None if done.returncode == 0 else f"failed (exit {done.returncode}, see {log_path.name})"
+
+
+def _estimate_s(rung, host_gb) -> tuple[float, dict]:
+    """Seconds the rung should take (start-up + warm-up + 1.25 x its predicted step), from the dry run's arithmetic."""
+    shape, seq, ds_name, startup = rung
+    _, _, job, limits = _job_and_limits(shape, seq, ds_name, host_gb)
+    seq = seq or job.longest(limits)
+    if not seq:  # the child only prices it: no model is built
+        return 30, {}
+    plan = job.plan(seq, limits)
+    step = job.step_seconds(seq, plan) + (30 if job.offload_optimizer else 0)  # + CPU Adam over 8B: ~30 s, a guess
+    return startup + 15 + 1.25 * step, {"seq": seq, "plan": list(plan.counts)}
+
+
+def _table(records) -> str:
+    lines = [f"{'rung':<12} {'tokens':>9} {'plan':<13} {'gpu pred':>8} {'meas':>6} {'ratio':>6} {'host pred':>9} "
+             f"{'peak':>6} {'ratio':>6} {'step pred':>9} {'meas':>6}  status"]
+    ok = True
+    for r in records:
+        if r.get("status") != "ok":
+            lines.append(f"{r['id']:<12} {r.get('seq', '-'):>9} {str(r.get('plan', '-')):<13} {'':>56}  "
+                         f"{r.get('status')}: {r.get('verdict', r.get('error', ''))[:120]}")
+            continue
+        gpu_ratio = r["predicted_gpu"] / r["gpu_peak"] if r.get("gpu_peak") else float("nan")
+        host_ratio = r["predicted_host"] / r["host_peak_rss"]
+        good = 1 <= gpu_ratio <= 1.1 and 1 <= host_ratio <= 1.1
+        ok &= good
+        lines.append(f"{r['id']:<12} {r['seq']:>9} {str(r['plan']):<13} {r['predicted_gpu']:8.1f} "
+                     f"{r.get('gpu_peak', float('nan')):6.1f} {gpu_ratio:6.3f} {r['predicted_host']:9.1f} "
+                     f"{r['host_peak_rss']:6.1f} {host_ratio:6.3f} {r['predicted_step_s']:9.1f} {r['step_s']:6.1f}  "
+                     f"ok{'' if good else ' (outside 1.0-1.1)'}")
+    lines.append(f"every finished rung within 10% above its measured GPU and peak host memory: {'yes' if ok else 'no'}")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", help=f"rungs, of {', '.join(RUNGS)}")
+    p.add_argument("--budget-s", type=float, default=480.0)
+    p.add_argument("--host-memory-gb", type=float, help="host limit per rank (default: 9/10 of this machine's)")
+    p.add_argument("--smoke", action="store_true", help="CPU: the tiny shape, every path")
+    p.add_argument("--out", default=os.environ.get("OUT", "ladder_out"))
+    p.add_argument("--client-adam", action="store_true",
+                   help="offloaded optimizer: torch AdamW on the host instead of DeepSpeed's CPU Adam (tried "
+                        "anyway when the CPU Adam rung fails)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    rungs = SMOKE if args.smoke else RUNGS
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        rec = run_rung(args.child, rungs[args.child], args.host_memory_gb, args.client_adam or args.smoke)
+        (out / f"rung_{args.child}.json").write_text(json.dumps(rec, indent=1))
+        return
+    start, records = time.monotonic(), []
+    for name in args.only or list(rungs):
+        left = args.budget_s - (time.monotonic() - start)
+        estimate, about = _estimate_s(rungs[name], args.host_memory_gb)
+        if estimate > left:
+            records.append(dict(id=name, status=f"skipped (needs ~{estimate:.0f} s, {left:.0f} s left)", **about))
+            print(records[-1], flush=True)
+            continue
+        cmd = [sys.executable, __file__, "--child", name, "--out", str(out)] + (["--smoke"] if args.smoke else [])
+        cmd += ["--host-memory-gb", str(args.host_memory_gb)] if args.host_memory_gb else []
+        t0 = time.monotonic()
+        status = _child(cmd + (["--client-adam"] if args.client_adam else []), out / f"log_{name}.txt", left)
+        offloaded = rungs[name][2] != "zero3"
+        if status and offloaded and not args.client_adam and "cpu_adam" in (out / f"log_{name}.txt").read_text():
+            left = args.budget_s - (time.monotonic() - start)
+            if left > estimate:  # DeepSpeed's CPU Adam did not build here: torch's AdamW on the host instead
+                status = _child(cmd + ["--client-adam"], out / f"log_{name}_client_adam.txt", left)
+        path = out / f"rung_{name}.json"
+        rec = json.loads(path.read_text()) if path.exists() and status is None else dict(id=name, status=status, **about)
+        rec["wall_s"] = time.monotonic() - t0
+        records.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
+    (out / "ladder.json").write_text(json.dumps(records, indent=1))
+    keys = ("id", "date", "machine", "command", "shape", "layers", "seq", "sp", "world", "plan", "head_groups",
+            "packed", "harness", "ds_config", "params", "gpu_peak", "gpu_reserved", "host_rss", "pinned")
+    points = [{k: r[k] for k in keys if k in r} for r in records if r.get("status") == "ok"]
+    (out / "points.json").write_text(json.dumps(points, indent=1))
+    table = _table(records)
+    (out / "ladder_table.txt").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

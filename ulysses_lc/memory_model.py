@@ -1,0 +1,124 @@
+"""The memory model: what one training step holds per rank, on the device and on the host, in terms fitted to
+peaks measured on an H200. The planner (memory.plan_memory) chooses with it and the dry run predicts with it,
+so a plan spends exactly the memory the prediction says is free.
+
+The terms come from the levers' own byte counts (memory.step_terms builds them from the shape); this module
+holds the fitted coefficients, the one rule for where a step peaks, and the host side. The measured points are
+in tests/data/h200_peaks.json (date, machine, command, plan); benchmarks/fit_memory_model.py prints each point's
+predicted / measured from these constants, and tests/test_memory_prediction.py holds every point to within 10%
+and never below.
+
+Where a step peaks (per rank, s_local tokens; "stored" is what the forward leaves for backward on the device:
+the plain layers' activations, the checkpointed inputs kept on the device and their kept attention outputs):
+  loss       stored + the loss head's gradients (its fp32 weight gradient, the hidden-state gradient, computed
+             in forward and held until backward) + one chunk's logits;
+  backward   stored + the loss head's gradients + the first plain layer's backward (its attention backward:
+             dq, dk, dv and the kernel's block of one head group);
+  recompute  the checkpointed inputs and outputs still on the device + the loss head's gradients + one
+             checkpointed layer recomputed and back-propagated (the previous layer's input comes back from the
+             host after this layer's attention block, past the peak: BENCHMARKS.md E).
+The peak is the largest of the three: the plain layers' activations are gone before the first recompute, so
+adding the recompute's working set to them (as the first planner did) over-counts by up to 35%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- Fitted to tests/data/h200_peaks.json (benchmarks/fit_memory_model.py --fit: every point's predicted GPU peak
+# within 0.5-4% above its measurement) ---------------------------------------------------------------------------
+# A plain layer's activations against the formula 2 (4e + 3q + 3kv) bytes a token (memory.plain_layer_bytes_per_token):
+# 27.7 KB a token on the Qwen3-0.6B shape (26.6 by the formula), from the plans' plain layers at 128k-512k.
+PLAIN_FIT = 1.04
+# Under sequence parallelism a plain layer keeps ~1.1 attention outputs (2q + 4h bytes a token) more: 4.6 KB a token
+# on the 0.6B shape at sp 2 (23 plain layers at 256k); the 8B shape's point at sp 2 is bounded with it.
+SP_PLAIN_FIT = 1.10
+# Packed documents: the per-document kernels keep another ~0.6 attention output per plain layer (2.4 KB a token,
+# 0.6B shape, 32 documents of 8k at 256k, torch varlen_attn: the one packed point measured).
+PACKED_PLAIN_FIT = 0.57
+# The first plain layer's backward, beside the kernel's block and the loss head: 0.18 of a plain layer's formula.
+BACKWARD_FIT = 0.18
+# One checkpointed layer's recompute and backward against the formula 2 (8e + 6q + 6kv) (memory.working_set_bytes_per_
+# token), beside the kernel's block: 36.7 KB a token on one 0.6B layer at 256k and at 2M (53.2 by the formula).
+RECOMPUTE_FIT = 0.69
+
+# Device memory the allocator holds beyond what is allocated (expandable segments): up to 16.5% of the step's
+# activations measured (8B shape at sp 2: 131.7 GB reserved for 122.6 allocated, 67.6 of them state); the plan
+# leaves this much free.
+ALLOCATOR_SLACK = 0.17
+# CUDA context, NCCL buffers and cuDNN workspaces outside the caching allocator (0.67 GiB seen at one GPU).
+CONTEXT_BYTES = 2 * 10**9
+# The host process itself (Python, torch, CUDA and NCCL libraries, DeepSpeed): RSS less the pinned offload buffers,
+# 1.8-2.9 GB measured over the main job, the Trainer path and the benchmarks on the 0.6B and 8B shapes (2.9 GB:
+# the peak RSS of the memory ladder's 0.6B run at 64k, one H200, 2026-12-01).
+HOST_PROCESS_BYTES = int(3.0e9)
+# A pinned buffer is rounded up to whole pages (host_pool.py).
+PAGE_BYTES = 4096
+# The planner leaves a tenth of the host memory it is given to the rest of the node (page cache, the OS).
+HOST_HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """Bytes per rank of one step's terms, as the model prices them (memory.step_terms builds them).
+
+    plain: a layer that keeps all its activations; kept: a checkpointed layer's input (exact: the offload buffer);
+    cached: its kept attention output and log-sum-exp (exact; 0 where none are kept); backward: the first plain
+    layer's backward beyond what it stored; recompute: one checkpointed layer recomputed and back-propagated;
+    loss: the loss head's gradients, held from forward to backward; loss_chunk: one chunk's logits while the loss
+    runs; offload: checkpointed inputs may go to the host."""
+
+    layers: int
+    plain: float
+    kept: int
+    cached: int
+    backward: float
+    recompute: float
+    loss: int
+    loss_chunk: int
+    offload: bool = True
+
+    @classmethod
+    def fitted(cls, *, layers: int, plain_formula: float, working_formula: float, block: float, kept: int,
+               cached: int, attention_output: int, loss: int, loss_chunk: int, sp_size: int, packed: bool,
+               offload: bool) -> "StepTerms":
+        """The terms from the levers' formulas (bytes per rank) and the fitted coefficients above.
+        attention_output: one layer's attention output and log-sum-exp (the unit of the SP and packed extras)."""
+        plain = (PLAIN_FIT * plain_formula + (SP_PLAIN_FIT * attention_output if sp_size > 1 else 0)
+                 + (PACKED_PLAIN_FIT * attention_output if packed else 0))
+        return cls(layers=layers, plain=plain, kept=kept, cached=cached,
+                   backward=BACKWARD_FIT * plain_formula + block, recompute=RECOMPUTE_FIT * working_formula + block,
+                   loss=loss, loss_chunk=loss_chunk, offload=offload)
+
+    def device_peak(self, recompute_layers: int, keep_on_gpu: int, cache_attention_layers: int) -> float:
+        """Peak device bytes of the step's activations under a plan's three counts (memory.MemoryPlan)."""
+        plain_layers = self.layers - recompute_layers
+        on_device = keep_on_gpu if self.offload else recompute_layers
+        cached_on_device = min(cache_attention_layers, on_device) if self.cached else 0
+        held = on_device * self.kept + cached_on_device * self.cached
+        stored = plain_layers * self.plain + held
+        peak = stored + self.loss + max(self.loss_chunk, self.backward if plain_layers else 0)
+        return max(peak, held + self.loss + self.recompute) if recompute_layers else peak
+
+    def host_pinned(self, recompute_layers: int, keep_on_gpu: int, cache_attention_layers: int) -> int:
+        """Pinned host bytes of the offloaded inputs and attention outputs under a plan's counts."""
+        if not self.offload:
+            return 0
+        offloaded = recompute_layers - keep_on_gpu
+        cached_offloaded = max(min(cache_attention_layers, recompute_layers) - keep_on_gpu, 0) if self.cached else 0
+        return offloaded * _pages(self.kept) + cached_offloaded * _pages(self.cached)
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def zero3_working_bytes(largest_module_params: int) -> int:
+    """Device bytes ZeRO-3 holds during the step beyond its partitions: the bf16 weights of the module running and of
+    the one prefetched (the largest: the embedding or one decoder layer with all its experts). 0.6 GB fitted at one
+    rank on the 0.6B shape (its 156M-parameter embedding, gathered by the loss head and the input embedding)."""
+    return 2 * 2 * largest_module_params
+
+
+__all__ = ["ALLOCATOR_SLACK", "CONTEXT_BYTES", "HOST_HEADROOM", "HOST_PROCESS_BYTES", "StepTerms",
+           "zero3_working_bytes"]

@@ -1,0 +1,245 @@
+"""Sizing a run: the predicted GPU and host memory per rank, whether it fits, which limit binds, the longest
+sequence that fits, what would fit instead, and the predicted step time; from the model's shape alone.
+
+One `Job` (what is fixed for a run: shape, parameters, ranks, DeepSpeed offload, kernel policy) answers every
+question by one arithmetic, the memory model's (memory_model.py) that the planner chooses with:
+  job.plan(seq_len, limits)     the plan memory.plan_memory chooses within these limits
+  job.predict(seq_len, plan)    StepMemory: GPU peak (ZeRO-3 state + its gathered weights + activations) and host
+  job.fit(seq_len, limits)      Fit: the plan, its prediction, what is over and by how much, which limit binds
+  job.longest(limits)           the longest sequence whose plan fits (0: none)
+  job.step_seconds(seq_len, plan)  from the model FLOPs (metrics.py) at kernel rates measured on an H200
+The dry run (train/dry_run.py) and the run's start-up check (train/estimate.py) print these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import memory_model
+from .memory import MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
+from .metrics import model_flops_per_step
+from .shape import ModelShape
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Memory per rank: `gpu_bytes` of device memory (what the GPU has) and `host_bytes` of host memory (the node's
+    share of one rank)."""
+
+    gpu_bytes: float
+    host_bytes: float
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Predicted bytes per rank of one step. gpu is the peak the allocator hands out (torch.cuda.max_memory_allocated);
+    gpu_needed adds the allocator's slack and the CUDA context, which the GPU must also hold."""
+
+    state_gpu: int  # ZeRO-3 partitions on the device (memory.zero3_state_bytes)
+    gathered: int  # ZeRO-3's gathered bf16 weights during the step (memory_model.zero3_working_bytes)
+    act_gpu: int  # activations at the step's peak (memory.plan_bytes)
+    state_host: int  # offloaded ZeRO-3 partitions
+    act_host: int  # pinned offloaded activations
+    process_host: int  # the host process itself (memory_model.HOST_PROCESS_BYTES)
+
+    @property
+    def gpu(self) -> int:
+        return self.state_gpu + self.gathered + self.act_gpu
+
+    @property
+    def slack(self) -> int:
+        return int(memory_model.ALLOCATOR_SLACK * (self.act_gpu + self.gathered))
+
+    @property
+    def gpu_needed(self) -> int:
+        return self.gpu + self.slack + memory_model.CONTEXT_BYTES
+
+    @property
+    def host(self) -> int:
+        return self.process_host + self.state_host + self.act_host
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A plan, its prediction and the limits it was priced against."""
+
+    seq_len: int
+    plan: MemoryPlan
+    memory: StepMemory
+    limits: Limits
+
+    @property
+    def gpu_over(self) -> float:
+        return self.memory.gpu_needed - self.limits.gpu_bytes
+
+    @property
+    def host_over(self) -> float:
+        return self.memory.host - self.limits.host_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_over <= 0 and self.host_over <= 0
+
+    @property
+    def binds(self) -> str:
+        """The limit nearer to (or further past) its end, as a share of it: "gpu" or "host"."""
+        return "gpu" if self.gpu_over / self.limits.gpu_bytes >= self.host_over / self.limits.host_bytes else "host"
+
+    def verdict(self) -> str:
+        """One line: fits (with the room left on the binding limit) or what is over and by how much."""
+        m, lim = self.memory, self.limits
+        gpu = (f"gpu {m.gpu_needed / GB:.1f} GB ({m.gpu / GB:.1f} peak + {m.slack / GB:.1f} allocator slack + "
+               f"{memory_model.CONTEXT_BYTES / GB:.0f} CUDA context) of {lim.gpu_bytes / GB:.0f}")
+        host = f"host {m.host / GB:.1f} GB of {lim.host_bytes / GB:.0f}"
+        if self.fits:
+            left = -self.gpu_over if self.binds == "gpu" else -self.host_over
+            return f"fits: {gpu}, {host} per rank; {self.binds} memory binds ({left / GB:.1f} GB left)"
+        over = [f"{name} over by {value / GB:.1f} GB" for name, value in (("gpu", self.gpu_over),
+                                                                           ("host", self.host_over)) if value > 0]
+        return f"does not fit: {gpu}, {host} per rank: {', '.join(over)}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is fixed for a run, which sizing needs: shape, parameter count, ranks, DeepSpeed offload, kernel policy.
+
+    offload: checkpointed inputs may go to the host (the wrapper's `offload` lever); offload_optimizer,
+    offload_params: the DeepSpeed config's ZeRO-3 offload (`from_ds_config`)."""
+
+    shape: ModelShape
+    num_params: int
+    world_size: int
+    sp_size: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    kernel: str = "auto"
+    head_groups: int | str = "auto"
+    packed: bool = False
+    offload: bool = True
+
+    @classmethod
+    def from_ds_config(cls, shape: ModelShape, num_params: int, world_size: int, sp_size: int, ds_config: dict,
+                       **kwargs) -> "Job":
+        optimizer, params = zero3_offload(ds_config)
+        return cls(shape, num_params, world_size, sp_size, offload_optimizer=optimizer, offload_params=params,
+                   **kwargs)
+
+    @property
+    def ds_zero(self) -> dict:
+        """The ZeRO-3 offload settings as a DeepSpeed config (what memory.zero3_state_bytes reads)."""
+        cpu = {"device": "cpu"}
+        return {"zero_optimization": {"stage": 3, **({"offload_optimizer": cpu} if self.offload_optimizer else {}),
+                                      **({"offload_param": cpu} if self.offload_params else {})}}
+
+    def _policy(self):
+        keep_attention, groups = attention_policy(self.shape, self.kernel, self.head_groups, self.packed)
+        return keep_attention, groups
+
+    def predict(self, seq_len: int, plan: MemoryPlan) -> StepMemory:
+        """The step's memory per rank under `plan`."""
+        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero)
+        _, groups = self._policy()
+        act_gpu, act_host = plan_bytes(self.shape, seq_len, plan, sp_size=self.sp_size, head_groups=groups,
+                                       offload=self.offload, packed=self.packed)
+        gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
+        return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES)
+
+    def budget(self, limits: Limits) -> tuple[float, float]:
+        """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
+        ZeRO-3 state and its gathered weights (with their allocator slack), and the host process leave; what
+        memory.plan_memory and the run's plan_step (`budget=`) plan within."""
+        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero)
+        gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
+        device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu
+                  - gathered * (1 + memory_model.ALLOCATOR_SLACK))
+        return device, limits.host_bytes - memory_model.HOST_PROCESS_BYTES - state_host
+
+    def plan(self, seq_len: int, limits: Limits) -> MemoryPlan:
+        """The plan memory.plan_memory chooses within `budget(limits)`."""
+        device, host = self.budget(limits)
+        keep_attention, groups = self._policy()
+        return plan_memory(self.shape, seq_len, device, sp_size=self.sp_size, host_free_bytes=max(host, 0),
+                           offload=self.offload, keep_attention=keep_attention, head_groups=groups, packed=self.packed)
+
+    def fit(self, seq_len: int, limits: Limits, plan: MemoryPlan | None = None) -> Fit:
+        """`plan` (default: the one `plan` chooses) priced against `limits`."""
+        plan = plan if plan is not None else self.plan(seq_len, limits)
+        return Fit(seq_len, plan, self.predict(seq_len, plan), limits)
+
+    def longest(self, limits: Limits, multiple: int = 1024) -> int:
+        """The longest sequence, a multiple of `multiple` x sp_size tokens, whose plan fits `limits` (0: none). The
+        least memory a plan can take grows with the length, so whether one fits is monotone in it."""
+        step = multiple * self.sp_size
+        if not self.fit(step, limits).fits:
+            return 0
+        low, high = 1, 2
+        while self.fit(high * step, limits).fits and high < 1 << 24:
+            low, high = high, high * 2
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.fit(mid * step, limits).fits else (low, mid)
+        return low * step
+
+    def alternatives(self, seq_len: int, limits: Limits) -> list[str]:
+        """What would fit when `seq_len` does not: more GPUs, a shorter sequence, ZeRO-3 offload."""
+        out = []
+        for factor in (2, 4, 8, 16, 32, 64):
+            sp = self.sp_size * factor
+            if self.shape.heads % sp == 0:
+                bigger = replace(self, world_size=self.world_size * factor, sp_size=sp)
+                if (fit := bigger.fit(seq_len, limits)).fits:
+                    out.append(f"--world-size {bigger.world_size} --sp-size {sp}: gpu {fit.memory.gpu_needed / GB:.1f} "
+                               f"GB, host {fit.memory.host / GB:.1f} GB per rank")
+                    break
+        if longest := self.longest(limits):
+            out.append(f"--seq-len {longest} (the longest that fits, --max-seq-len)")
+        for name, flags in (("zero3_offload_optimizer", dict(offload_optimizer=True)),
+                            ("zero3_offload_all", dict(offload_optimizer=True, offload_params=True))):
+            offloaded = replace(self, **flags)
+            if offloaded != self:
+                fit = offloaded.fit(seq_len, limits)
+                out.append(f"--ds-config {name}: {'fits' if fit.fits else 'does not fit either'} (gpu "
+                           f"{fit.memory.gpu_needed / GB:.1f} GB, host {fit.memory.host / GB:.1f} GB per rank)")
+                if fit.fits:
+                    break
+        return out
+
+    def step_seconds(self, seq_len: int, plan: MemoryPlan) -> float:
+        """Predicted seconds of one step from its FLOPs (metrics.model_flops_per_step, the plan's recompute) at
+        the rates measured on an H200 (below); packed documents take less (their attention is block-diagonal)."""
+        flops = model_flops_per_step(self.shape, seq_len, recompute_layers=plan.recompute_layers,
+                                     cached_attention_layers=plan.cache_attention_layers)
+        attn_fwd = flops.attention / 3
+        recomputed_fwd = attn_fwd * (plan.recompute_layers - plan.cache_attention_layers) / self.shape.layers
+        attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / ATTENTION_FLOPS_PER_S
+        dense = (flops.hardware - flops.attention - recomputed_fwd) / MATMUL_FLOPS_PER_S
+        tokens = -(-seq_len // self.sp_size)
+        rest = ELEMENTWISE_S_PER_TOKEN * tokens * self.shape.layers * self.shape.hidden / 1024
+        exchange = 0.0
+        if self.sp_size > 1:
+            # q, k, v out and the attention output back, bf16, the share that leaves this rank
+            per_layer = 2 * tokens * (2 * self.shape.q_width + 2 * self.shape.kv_width) * (1 - 1 / self.sp_size)
+            exchange = per_layer * (2 * self.shape.layers + plan.recompute_layers) / EXCHANGE_BYTES_PER_S
+        return (attention + dense) / self.sp_size + rest + exchange
+
+
+def zero3_offload(ds_config: dict) -> tuple[bool, bool]:
+    """(optimizer state, parameters) offloaded to the host by a DeepSpeed config's ZeRO-3 settings."""
+    zero = ds_config.get("zero_optimization", {})
+    return tuple(zero.get(k, {}).get("device", "none") in ("cpu", "nvme")
+                 for k in ("offload_optimizer", "offload_param"))
+
+
+# Rates measured on one H200 (ANCHORS.md, BENCHMARKS.md A/D/H), the step-time model's assumption:
+ATTENTION_FLOPS_PER_S = 530e12  # cuDNN causal SDPA, fwd+bwd counted as 3.5 forwards: 529-553 TF/s at 128k-256k
+ATTENTION_PASSES = 3.5  # that count: forward 1, backward 2.5
+MATMUL_FLOPS_PER_S = 778e12  # bf16 matmul 8192^3
+# Memory-bound work (norms, RoPE, SiLU, copies, loss softmax) per token and layer at hidden 1024: 0.6 us, what is
+# left of the measured 0.6B steps at 128k and 256k (15.3 s, 57.9 s) and the 8B one at sp 2 (27.2 s) after the above.
+ELEMENTWISE_S_PER_TOKEN = 0.6e-6
+EXCHANGE_BYTES_PER_S = 108e9  # the Ulysses all-to-all, 2 H200 over NVLink (BENCHMARKS.md H)
+
+
+__all__ = ["Fit", "Job", "Limits", "StepMemory", "zero3_offload"]
