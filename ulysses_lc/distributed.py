@@ -9,10 +9,13 @@ sets the variables too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 import torch
+
+SHM_COMM_BUILDER = "ShareMemCommBuilder"  # DeepSpeed's name for its CPU shared-memory all-reduce op builder
 
 
 def _free_port() -> int:
@@ -48,7 +51,37 @@ def init_distributed(backend: str | None = None) -> None:
 
     if not torch.distributed.is_initialized():
         single_process_defaults()
-    deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+    with _without_shm_comm_op():
+        deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op():
+    """Keep DeepSpeed's CPU shared-memory all-reduce op (`deepspeed_shm_comm`) out of the process group it builds.
+
+    On the CPU accelerator DeepSpeed's TorchBackend JIT-compiles that op on every start (into
+    ~/.cache/torch_extensions, under one file lock shared by every venv, each of which rebuilds it: minutes on a
+    loaded machine; a lock left by a killed build hangs every later run in torch's file_baton, with no message), and
+    under the deepspeed launcher (LOCAL_SIZE set) maps one 69 MB /dev/shm/deepspeed_allreduce_buffer_* segment
+    per rank that nothing ever unlinks. The op serves only DeepSpeed-inference's `inference_all_reduce`; ZeRO-3
+    training never calls it, and without it that call falls back to torch's all_reduce. The CUDA accelerator has
+    no such builder, so GPUs see no change. Scoped to this call and undone after it."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        yield
+        return
+    own = vars(accelerator).get("create_op_builder")  # None: the class's method, which shows through again after
+    create_op_builder = accelerator.create_op_builder
+    accelerator.create_op_builder = lambda name: None if name == SHM_COMM_BUILDER else create_op_builder(name)
+    try:
+        yield
+    finally:
+        if own is None:
+            del accelerator.create_op_builder
+        else:
+            accelerator.create_op_builder = own
 
 
 def destroy_distributed() -> None:
