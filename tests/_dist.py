@@ -9,6 +9,7 @@ with that rank's traceback.
 import os
 import pickle
 import socket
+import time
 import traceback
 
 import torch
@@ -69,18 +70,40 @@ def _run_once(fn, world_size, args, timeout, backend):
     ]
     for p in procs:
         p.start()
-    results, errors = {}, []
-    for _ in range(world_size):
-        rank, status, payload = queue.get()
-        if status == "ok":
-            results[rank] = pickle.loads(payload)
-        else:
-            errors.append(f"rank {rank}:\n{payload}")
-            break
-    for p in procs:
-        p.join(timeout=5 if errors else timeout)
-        if p.is_alive():
-            p.kill()
+    results, errors = {}, ["interrupted"]
+    try:
+        results, errors = _collect(procs, queue, timeout)
+    finally:  # no rank outlives its test: after an error the others may wait in a collective forever
+        for p in procs:
+            p.join(timeout=5 if errors else 120)
+            if p.is_alive():
+                p.kill()
+                p.join()
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _collect(procs, queue, timeout):
+    """Each rank's report; the first error ends the wait. A rank that exits without one (killed, aborted, or
+    dead before its body ran: an import error in a spawned child) is reported at once, not waited on forever:
+    SimpleQueue.put writes to the pipe before the process can exit, so a dead rank's report is already there."""
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs) and not errors:
+        if not queue.empty():
+            rank, status, payload = queue.get()
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+            continue
+        dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+        if dead and queue.empty():
+            errors.append(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting a result "
+                          "(its stderr, above, says why)")
+        elif time.monotonic() > deadline:
+            errors.append(f"no result from ranks {sorted(set(range(len(procs))) - set(results))} in {timeout} s")
+        else:
+            procs[0].join(0.05)  # a short wait for the next report or exit, then look again
+    return results, errors
