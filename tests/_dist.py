@@ -3,7 +3,9 @@
 The body must be a module-level function `fn(rank, world_size, *args)`; it runs after
 `torch.distributed` is initialised (gloo unless `backend="nccl"`, which also binds rank r to GPU r)
 and its return value (picklable) comes back as `results[rank]`. A failure on any rank fails the test
-with that rank's traceback.
+with that rank's traceback; so does a rank that dies without a result, or exits with a code other than 0 after
+one (each rank ends with ulysses_lc's destroy_distributed and a full interpreter exit, so every multi-rank test
+also checks that a run ends cleanly).
 """
 
 import os
@@ -15,6 +17,8 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ulysses_lc.distributed import destroy_distributed
 
 
 def _free_port() -> int:
@@ -44,9 +48,12 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - the traceback is the test's report
         queue.put((rank, "error", traceback.format_exc()))
-    finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # no barrier: the other ranks may never reach one
+        return
+    # The library's own end of a run, so that every multi-rank test also checks that a rank exits cleanly (the
+    # parent fails the test on a nonzero exit code after a result).
+    destroy_distributed()
 
 
 def run_distributed(fn, world_size, *args, timeout=600, backend="gloo"):
@@ -79,6 +86,10 @@ def _run_once(fn, world_size, args, timeout, backend):
             if p.is_alive():
                 p.kill()
                 p.join()
+    if not errors:
+        errors = [f"rank {r} exited with code {p.exitcode} after its result: an unclean end of the process group "
+                  "(ulysses_lc.distributed.destroy_distributed says why it aborts)"
+                  for r, p in enumerate(procs) if p.exitcode != 0]
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 
 import torch
 
@@ -85,12 +86,32 @@ def _without_shm_comm_op():
 
 
 def destroy_distributed() -> None:
-    """End the process group cleanly at the end of a run, on every rank: without it NCCL warns from the TCPStore of
-    ranks still exiting, and a gloo rank can abort at interpreter exit ("terminate called without an active
-    exception", seen one launch in three under accelerate). The barrier first: no rank tears its store down while
-    another still talks to it. Call it on the normal path only (a rank that failed would wait here)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    """End the process groups cleanly at the end of a run, on every rank. Call it on the normal path only (a rank
+    that failed would wait here for the others).
+
+    First a barrier on every gloo group this rank belongs to, in creation order (the same on every rank: creating
+    a group is collective), so that no collective is still queued or finishing on any of them; then the groups are
+    destroyed, through DeepSpeed where it started them, which also drops its own references to them.
+    Why every gloo group: gloo's shutdown does not stop a group's worker threads; they live as long as the group
+    object, which the layout, the model and the engine hold until the interpreter is torn down. A worker that
+    finishes a collective then frees a tensor whose Python object needs the GIL, and Python 3.11 ends a thread that
+    asks for the GIL during finalization with pthread_exit, whose unwinding through gloo's noexcept work destructor
+    calls std::terminate: rank exit -6, "terminate called without an active exception" (gdb: THPVariable_dealloc
+    -> take_gil -> PyThread_exit_thread in a pt_gloo_runloop thread). With async all-reduces pending on an SP
+    group, a barrier on the default group only aborted 7 launches of 8, one on every group 0 of 8. NCCL groups
+    stop their own threads and keep the one barrier on the default group (without it NCCL warns from the TCPStore
+    of ranks still exiting)."""
+    if not torch.distributed.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import GroupMember, _world  # no public list of a rank's groups
+
+    for group in list(_world.pg_map):  # NCCL groups stop their own threads: only the default one waits there
+        if group is GroupMember.WORLD or "gloo" in torch.distributed.get_backend(group):
+            torch.distributed.barrier(group=group)
+    ds_comm = sys.modules.get("deepspeed.comm")  # not imported: DeepSpeed started nothing
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
         torch.distributed.destroy_process_group()
 
 
