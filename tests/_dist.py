@@ -11,6 +11,7 @@ also checks that a run ends cleanly).
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 
@@ -43,6 +44,7 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+        _check_no_shm_comm_op()
         # Plain pickle bytes: torch's queue pickler would pass tensors as shared-memory handles
         # that vanish when this process exits.
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -54,6 +56,15 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
     # The library's own end of a run, so that every multi-rank test also checks that a rank exits cleanly (the
     # parent fails the test on a nonzero exit code after a result).
     destroy_distributed()
+
+
+def _check_no_shm_comm_op():
+    """No test reaches DeepSpeed's CPU shm all-reduce op: building it takes a lock that a killed build leaves behind
+    (every later run then hangs), and it maps /dev/shm buffers nothing unlinks (ulysses_lc/distributed.py)."""
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and getattr(ds_comm.cdb, "shm_comm_op", None) is not None:
+        raise AssertionError("DeepSpeed built its CPU shm op: start the process group with "
+                             "ulysses_lc.distributed.init_distributed, not deepspeed.init_distributed")
 
 
 def run_distributed(fn, world_size, *args, timeout=600, backend="gloo"):

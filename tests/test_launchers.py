@@ -29,6 +29,7 @@ def run(cmd: list[str], expect_ok: bool = True) -> str:
         if "EADDRINUSE" not in out and "address already in use" not in out.lower():
             break
     assert (proc.returncode == 0) == expect_ok, f"{' '.join(argv)} -> {proc.returncode}\n{out[-4000:]}"
+    assert "deepspeed_shm_comm" not in out, out  # DeepSpeed's CPU shm op neither built nor loaded (distributed.py)
     return out
 
 
