@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from tests.models import VOCAB, build
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
 from ulysses_lc.tiled_mlp import plain_parameter_name
@@ -83,7 +83,7 @@ def eval_worker(rank, world_size, family, input_ids, labels):
 def test_sp_equals_single_process(family, world):
     input_ids, labels = make_sequence(64, seed=1)
     ref_loss, ref_grads = reference(family, input_ids, labels)
-    results = run_distributed(sp_worker, world, family, world, [(input_ids, labels)], {})
+    results = run_shared(sp_worker, world, family, world, [(input_ids, labels)], {})
     for loss, grads in results:
         assert_close(loss, grads, ref_loss, ref_grads)
 
@@ -94,7 +94,7 @@ def test_eval_loss_not_scaled_by_sp():
     model = build("qwen3").eval()
     with torch.no_grad():
         ref = model(input_ids=input_ids, labels=labels).loss.item()
-    for loss in run_distributed(eval_worker, 4, "qwen3", input_ids, labels):
+    for loss in run_shared(eval_worker, 4, "qwen3", input_ids, labels):
         assert abs(loss - ref) <= LOSS_RTOL * ref
 
 
@@ -103,7 +103,7 @@ def test_kv_heads_replicated_when_sp_exceeds_them():
     input_ids, labels = make_sequence(48, seed=2)
     overrides = {"num_key_value_heads": 2}
     ref = reference("qwen3", input_ids, labels, **overrides)
-    loss, grads = run_distributed(sp_worker, 4, "qwen3", 4, [(input_ids, labels)], overrides)[0]
+    loss, grads = run_shared(sp_worker, 4, "qwen3", 4, [(input_ids, labels)], overrides)[0]
     assert_close(loss, grads, *ref)
 
 
@@ -112,7 +112,7 @@ def test_length_not_divisible_and_ignored_labels_on_one_shard():
     # and rank 1 only a few: a mean of per-rank means would be wrong here.
     input_ids, labels = make_sequence(37, seed=3, ignore_prefix=26)
     ref = reference("llama", input_ids, labels)
-    loss, grads = run_distributed(sp_worker, 4, "llama", 4, [(input_ids, labels)], {})[0]
+    loss, grads = run_shared(sp_worker, 4, "llama", 4, [(input_ids, labels)], {})[0]
     assert_close(loss, grads, *ref)
 
 
@@ -120,7 +120,7 @@ def test_dp2_x_sp2_averages_sequences():
     seqs = [make_sequence(40, seed=10), make_sequence(40, seed=11, ignore_prefix=7)]
     refs = [reference("qwen3", *s) for s in seqs]
     mean_grads = {n: (refs[0][1][n] + refs[1][1][n]) / 2 for n in refs[0][1]}
-    results = run_distributed(sp_worker, 4, "qwen3", 2, seqs, {})
+    results = run_shared(sp_worker, 4, "qwen3", 2, seqs, {})
     for rank, (loss, grads) in enumerate(results):
         ref_loss = refs[rank // 2][0]  # ranks 0,1 share sequence 0; ranks 2,3 sequence 1
         assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss)
@@ -148,7 +148,7 @@ ALL_LEVERS_OVERRIDES = {"tie_word_embeddings": True}
 
 def _all_levers_sp2(family):
     levers = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True, plan=MemoryPlan(2, 0, 1))
-    return run_distributed(_levers_worker, 2, family, ALL_LEVERS_OVERRIDES, levers, *ALL_LEVERS_SEQUENCE)
+    return run_shared(_levers_worker, 2, family, ALL_LEVERS_OVERRIDES, levers, *ALL_LEVERS_SEQUENCE)
 
 
 def _levers_worker(rank, world_size, family, overrides, levers, input_ids, labels):
