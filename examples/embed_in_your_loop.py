@@ -18,9 +18,11 @@ from transformers import AutoModelForCausalLM
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, apply_yarn, check_deepspeed_config, shard_batch
 from ulysses_lc.distributed import destroy_distributed, init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
+from ulysses_lc.train.console import quiet_warnings
 
 SEQ_LEN = 4096
 
+quiet_warnings()  # each warning once (rank 0's), as the main job prints them
 init_distributed()  # deepspeed, torchrun, accelerate launch or plain python
 layout = ParallelLayout.build(sp_size=torch.distributed.get_world_size())
 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

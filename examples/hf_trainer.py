@@ -23,6 +23,7 @@ from ulysses_lc import apply_yarn, build_token_stream, load_deepspeed_config, lo
 from ulysses_lc.hf_trainer import UlyssesTrainer
 from ulysses_lc.distributed import destroy_distributed, init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_tokenizer
+from ulysses_lc.train.console import quiet_warnings
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default=None, help="hub name or local folder (default: --model-config)")
@@ -37,6 +38,7 @@ parser.add_argument("--output-dir", default="runs/hf_trainer")
 parser.add_argument("--lr", type=float, default=3e-3)
 args = parser.parse_args()
 
+quiet_warnings()  # each warning once (rank 0's), as the main job prints them
 init_distributed()  # deepspeed, torchrun, accelerate launch or plain python
 gpu = torch.cuda.is_available()
 dtype = torch.bfloat16 if gpu else torch.float32
@@ -79,7 +81,8 @@ class StepTimes(TrainerCallback):
 trainer = UlyssesTrainer(model=model, args=training_args, train_dataset=train, eval_dataset=train.select([0]),
                          processing_class=tokenizer, sp_size=args.sp_size, seq_len=args.seq_len, callbacks=[StepTimes()])
 trainer.train()
+metrics = trainer.evaluate()  # every rank evaluates (a collective); rank 0 prints
 if trainer.is_world_process_zero():
     print("memory plan:", trainer.model.plan)
-print(trainer.evaluate())
+    print(metrics)
 destroy_distributed()

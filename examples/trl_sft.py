@@ -25,6 +25,7 @@ from ulysses_lc import apply_yarn, load_deepspeed_config, load_model_for_length
 from ulysses_lc.hf_trainer import UlyssesSFTTrainer
 from ulysses_lc.distributed import destroy_distributed, init_distributed
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
+from ulysses_lc.train.console import quiet_warnings
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model", default=None, help="hub name or local folder (default: the tiny Qwen3)")
@@ -68,6 +69,7 @@ def load_rows(name: str | None) -> datasets.Dataset:
     return datasets.load_dataset(name, args.dataset_config, split=args.split)
 
 
+quiet_warnings()  # each warning once (rank 0's), as the main job prints them
 init_distributed()  # deepspeed, torchrun, accelerate launch or plain python
 gpu = torch.cuda.is_available()
 dtype = torch.bfloat16 if gpu else torch.float32

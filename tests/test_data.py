@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from ulysses_lc import data
 from ulysses_lc.data import (
     build_token_stream,
@@ -333,7 +333,7 @@ def test_two_gloo_ranks_share_one_build(tmp_path):
     """Under torch.distributed the waiting rank uses the barrier; LOCAL_RANK comes from the launcher."""
     path = tmp_path / "book.txt"
     path.write_text(tiny_text(5000, seed=14))
-    (hit0, tokens0), (hit1, tokens1) = run_distributed(_two_rank_build, 2, str(path), str(tmp_path / "cache"))
+    (hit0, tokens0), (hit1, tokens1) = run_shared(_two_rank_build, 2, str(path), str(tmp_path / "cache"))
     assert (hit0, hit1) == (False, True)
     assert tokens0 == tokens1 == list(path.read_bytes()[:1024])
 

@@ -31,7 +31,9 @@ ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True
 def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family="qwen3"):
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from ulysses_lc.distributed import init_distributed
+
+    init_distributed("gloo")  # not deepspeed.init_distributed: it would build DeepSpeed's CPU shm op (distributed.py)
     layout = ParallelLayout.build(sp_size)
     model = SequenceParallelCausalLM(build(family, tie_word_embeddings=True), layout, **levers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from tests.test_sp_parity import assert_close, make_sequence, reference
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
 from ulysses_lc import explicit_attention as attention_mod
@@ -188,7 +188,7 @@ def test_sp2_with_head_groups_equals_plain_single_process(cache_attention_layers
     ref = reference("qwen3", input_ids, labels, **overrides)
     levers = dict(chunked_loss=2, tiled_mlp=3, checkpointing=True, offload=True,
                   plan=MemoryPlan(2, 0, cache_attention_layers), attention_head_groups=2, kernel="sdpa")
-    for loss, grads, calls in run_distributed(_grouped_worker, 2, overrides, levers, input_ids, labels):
+    for loss, grads, calls in run_shared(_grouped_worker, 2, overrides, levers, input_ids, labels):
         assert_close(loss, grads, *ref)
         # 2 layers x 2 groups in the forward; the recompute runs them again unless the output was kept.
         assert calls == (4 if cache_attention_layers else 8), calls
@@ -205,7 +205,7 @@ def _refusal_worker(rank, world_size):
 
 
 def test_head_groups_that_cannot_split_a_rank_s_kv_heads_are_refused():
-    assert all(run_distributed(_refusal_worker, 2))
+    assert all(run_shared(_refusal_worker, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from tests._dist import run_distributed
+from tests._dist import run_distributed, run_shared
 from tests.models import VOCAB, build
 from ulysses_lc import LayerRun, ParallelLayout, SequenceParallelCausalLM, shard_batch
 from ulysses_lc import explicit_attention as attention_mod
@@ -94,7 +94,7 @@ CASES = {
 
 @pytest.mark.parametrize("sp", [1, 2])
 def test_kept_attention_bitwise_and_skips_kernel(sp):
-    results = run_distributed(kept_worker, sp, sp, CASES)[0]
+    results = run_shared(kept_worker, sp, sp, CASES)[0]
     ref_loss, ref_grads, ref_calls, _ = results["plain_ckpt"][0]
     assert ref_calls == 2 * LAYERS  # forward + recompute of every layer
     expected_calls = {"kept_all": LAYERS, "kept_last2": LAYERS + 1, "kept_all_keep1": LAYERS,
@@ -124,7 +124,7 @@ def _expected_host_bytes(sp, cached_layers, offloaded_layers):
 @pytest.mark.parametrize("sp", [1, 2])
 def test_kept_attention_host_bytes(sp):
     cases = {"kept_all": CASES["kept_all"], "kept_all_keep1": CASES["kept_all_keep1"]}
-    results = run_distributed(kept_worker, sp, sp, cases)[0]
+    results = run_shared(kept_worker, sp, sp, cases)[0]
     assert results["kept_all"][0][3]["host_bytes"] == _expected_host_bytes(sp, LAYERS, LAYERS)
     # keep_on_gpu=1: the last layer keeps its input and its attention output on the device.
     assert results["kept_all_keep1"][0][3]["host_bytes"] == _expected_host_bytes(sp, LAYERS - 1, LAYERS - 1)
@@ -154,7 +154,7 @@ def order_worker(rank, world_size, cache):
 
 @pytest.mark.parametrize("cache", [0, 4])
 def test_prefetch_waits_for_attention_backward(cache):
-    events, report = run_distributed(order_worker, 1, cache)[0]
+    events, report = run_shared(order_worker, 1, cache)[0]
     # Only the first layer in backward waits for its copy; the other three came back ahead of need.
     assert (report["waited_copies"], report["prefetched_copies"]) == (1, 3), report
     # The last layer's input has nothing to hide under (copied when its recompute starts); every other

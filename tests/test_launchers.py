@@ -6,6 +6,7 @@ those are test_hf_trainer.py's and test_training.py's.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +29,22 @@ def run(cmd: list[str], expect_ok: bool = True) -> str:
         if "EADDRINUSE" not in out and "address already in use" not in out.lower():
             break
     assert (proc.returncode == 0) == expect_ok, f"{' '.join(argv)} -> {proc.returncode}\n{out[-4000:]}"
+    assert "deepspeed_shm_comm" not in out, out  # DeepSpeed's CPU shm op neither built nor loaded (distributed.py)
     return out
+
+
+def assert_quiet(out: str) -> None:
+    """As quiet as the main job: no rank repeats rank 0's warnings, DeepSpeed's deprecation warnings filtered,
+    and the example's own print of evaluate() (unquoted numbers, unlike the Trainer's log line) once."""
+    assert "FutureWarning" not in out, out
+    assert len(re.findall(r"'eval_loss': \d", out)) == 1, out
 
 
 def test_torchrun_hf_trainer(tmp_path):
     out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}",
                "examples/hf_trainer.py", "--steps", "2", "--seq-len", "512", "--output-dir", str(tmp_path)])
     assert out.count("'loss'") == 2 and "eval_loss" in out
+    assert_quiet(out)
 
 
 def test_accelerate_launch_hf_trainer(tmp_path):
@@ -42,6 +52,7 @@ def test_accelerate_launch_hf_trainer(tmp_path):
                "{port}", "--config_file", "examples/accelerate_zero3.yaml", "examples/hf_trainer.py", "--steps", "2",
                "--seq-len", "512", "--output-dir", str(tmp_path)])
     assert out.count("'loss'") == 2 and "eval_loss" in out
+    assert_quiet(out)
 
 
 def test_accelerate_launch_cpu_is_refused(tmp_path):

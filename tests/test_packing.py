@@ -9,7 +9,7 @@ Tolerances (fp32): loss 1e-5 relative, each gradient 1e-4 relative norm (test_sp
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from tests.models import VOCAB, build
 from tests.test_sp_parity import assert_close
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
@@ -63,7 +63,7 @@ ALL_LEVERS = dict(chunked_loss=4, tiled_mlp=3, checkpointing=True, offload=True,
 def test_packed_documents_equal_each_alone(world):
     docs = _documents()
     ref = reference(docs)
-    for loss, grads in run_distributed(packed_worker, world, docs, ALL_LEVERS):
+    for loss, grads in run_shared(packed_worker, world, docs, ALL_LEVERS):
         assert_close(loss, grads, *ref)
 
 
@@ -71,7 +71,7 @@ def test_packed_with_masked_prompts():
     # Each document's first 3 labels ignored (a prompt): still the per-document reference.
     docs = _documents(seed=1)
     ref = reference(docs, ignore_first=3)
-    for loss, grads in run_distributed(packed_worker, 2, docs, ALL_LEVERS, 3):
+    for loss, grads in run_shared(packed_worker, 2, docs, ALL_LEVERS, 3):
         assert_close(loss, grads, *ref)
 
 

@@ -9,10 +9,14 @@ sets the variables too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 
 import torch
+
+SHM_COMM_BUILDER = "ShareMemCommBuilder"  # DeepSpeed's name for its CPU shared-memory all-reduce op builder
 
 
 def _free_port() -> int:
@@ -48,16 +52,66 @@ def init_distributed(backend: str | None = None) -> None:
 
     if not torch.distributed.is_initialized():
         single_process_defaults()
-    deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+    with _without_shm_comm_op():
+        deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+
+
+@contextlib.contextmanager
+def _without_shm_comm_op():
+    """Keep DeepSpeed's CPU shared-memory all-reduce op (`deepspeed_shm_comm`) out of the process group it builds.
+
+    On the CPU accelerator DeepSpeed's TorchBackend JIT-compiles that op on every start (into
+    ~/.cache/torch_extensions, under one file lock shared by every venv, each of which rebuilds it: minutes on a
+    loaded machine; a lock left by a killed build hangs every later run in torch's file_baton, with no message), and
+    under the deepspeed launcher (LOCAL_SIZE set) maps one 69 MB /dev/shm/deepspeed_allreduce_buffer_* segment
+    per rank that nothing ever unlinks. The op serves only DeepSpeed-inference's `inference_all_reduce`; ZeRO-3
+    training never calls it, and without it that call falls back to torch's all_reduce. The CUDA accelerator has
+    no such builder, so GPUs see no change. Scoped to this call and undone after it."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        yield
+        return
+    own = vars(accelerator).get("create_op_builder")  # None: the class's method, which shows through again after
+    create_op_builder = accelerator.create_op_builder
+    accelerator.create_op_builder = lambda name: None if name == SHM_COMM_BUILDER else create_op_builder(name)
+    try:
+        yield
+    finally:
+        if own is None:
+            del accelerator.create_op_builder
+        else:
+            accelerator.create_op_builder = own
 
 
 def destroy_distributed() -> None:
-    """End the process group cleanly at the end of a run, on every rank: without it NCCL warns from the TCPStore of
-    ranks still exiting, and a gloo rank can abort at interpreter exit ("terminate called without an active
-    exception", seen one launch in three under accelerate). The barrier first: no rank tears its store down while
-    another still talks to it. Call it on the normal path only (a rank that failed would wait here)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    """End the process groups cleanly at the end of a run, on every rank. Call it on the normal path only (a rank
+    that failed would wait here for the others).
+
+    First a barrier on every gloo group this rank belongs to, in creation order (the same on every rank: creating
+    a group is collective), so that no collective is still queued or finishing on any of them; then the groups are
+    destroyed, through DeepSpeed where it started them, which also drops its own references to them.
+    Why every gloo group: gloo's shutdown does not stop a group's worker threads; they live as long as the group
+    object, which the layout, the model and the engine hold until the interpreter is torn down. A worker that
+    finishes a collective then frees a tensor whose Python object needs the GIL, and Python 3.11 ends a thread that
+    asks for the GIL during finalization with pthread_exit, whose unwinding through gloo's noexcept work destructor
+    calls std::terminate: rank exit -6, "terminate called without an active exception" (gdb: THPVariable_dealloc
+    -> take_gil -> PyThread_exit_thread in a pt_gloo_runloop thread). With async all-reduces pending on an SP
+    group, a barrier on the default group only aborted 7 launches of 8, one on every group 0 of 8. NCCL groups
+    stop their own threads and keep the one barrier on the default group (without it NCCL warns from the TCPStore
+    of ranks still exiting)."""
+    if not torch.distributed.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import GroupMember, _world  # no public list of a rank's groups
+
+    for group in list(_world.pg_map):  # NCCL groups stop their own threads: only the default one waits there
+        if group is GroupMember.WORLD or "gloo" in torch.distributed.get_backend(group):
+            torch.distributed.barrier(group=group)
+    ds_comm = sys.modules.get("deepspeed.comm")  # not imported: DeepSpeed started nothing
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
         torch.distributed.destroy_process_group()
 
 

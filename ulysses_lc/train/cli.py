@@ -20,9 +20,9 @@ import os
 import sys
 import time
 import traceback
-import warnings
 
 from ..distributed import destroy_distributed
+from .console import quiet_warnings
 
 GRACE_S = 3.0
 LOST_PEER_S = 20.0
@@ -32,9 +32,7 @@ def main(argv=None) -> None:
     """Run the main job from the command line (examples/train_1m.py calls this)."""
     # Every rank runs the same code, so rank 0's log and warnings say all there is; the others' would repeat it.
     logging.basicConfig(level=logging.INFO if _rank() == 0 else logging.WARNING, format="%(message)s")
-    if _rank() != 0:
-        warnings.simplefilter("ignore")
-    _quiet_known_warnings()
+    quiet_warnings(_rank())
     try:
         from .config import parse_args
 
@@ -58,14 +56,6 @@ def main(argv=None) -> None:
         raise
     except BaseException as e:  # noqa: BLE001 - every failure ends here, reported once
         _fail(e)
-
-
-def _quiet_known_warnings() -> None:
-    # DeepSpeed's ZeRO-3 (0.17-0.20) gathers and reduce-scatters parameters through torch.distributed calls that
-    # torch 2.11+ deprecates; the FutureWarning names torch's wrapper (c10d_logger.py) as its source, prints once
-    # per rank, and no user can act on it. Filtered by its text, so every other warning still shows.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 def _rank() -> int:

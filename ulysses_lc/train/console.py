@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 
 from ..metrics import StepLogger
 from ..sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
+
+
+def quiet_warnings(rank: int | None = None) -> None:
+    """Show each warning once per job: rank 0's only (every rank runs the same code, so the others' would repeat
+    it), and none of DeepSpeed's ZeRO-3 deprecation warnings. The main job and the example scripts call it first.
+
+    rank: default the launcher's RANK (0 without a launcher).
+    """
+    if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
+        warnings.simplefilter("ignore")
+    # DeepSpeed's ZeRO-3 (0.17-0.20) gathers and reduce-scatters parameters through torch.distributed calls that
+    # torch 2.11+ deprecates; the FutureWarning names torch's wrapper (c10d_logger.py) as its source, prints once
+    # per rank, and no user can act on it. Filtered by its text, so every other warning still shows.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 class RunLogger(StepLogger):
