@@ -280,7 +280,8 @@ _EXACT_LAYER_TYPES = {"full_attention", "attention", "sliding_attention"}
 def check_model_for_ulysses(config, sp_size: int) -> None:
     """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size."""
     cfg = text_config(config)
-    if sp_size > 1 and cfg._attn_implementation == "eager" and not _has_sinks(cfg):
+    # gpt-oss has no SDPA path in transformers (its sinks), so it loads as 'eager'; Ulysses attention replaces it.
+    if sp_size > 1 and cfg._attn_implementation == "eager" and not ModelShape.from_config(cfg).sinks:
         raise ValueError(
             "the model was loaded with attn_implementation='eager', whose dense masks cannot be split across "
             "ranks; load it with attn_implementation='sdpa' (ulysses_lc then switches it to Ulysses attention)."
@@ -300,11 +301,6 @@ def check_model_for_ulysses(config, sp_size: int) -> None:
                          "the causal kernels here do not; set use_bidirectional_attention=False or sp_size=1.")
     shape = ModelShape.from_config(cfg)
     check_heads(shape.heads, shape.kv_heads, sp_size)
-
-
-def _has_sinks(cfg) -> bool:
-    # gpt-oss has no SDPA path in transformers (its sinks), so it loads as 'eager'; Ulysses attention replaces it.
-    return cfg.model_type == "gpt_oss"
 
 
 __all__ = ["UlyssesAttention", "check_model_for_ulysses", "install_ulysses_attention", "kept_output_attention",

@@ -23,6 +23,7 @@ from .chunked_loss import loss_head_bytes
 from .explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
 from .layout import ParallelLayout
 from .shape import ModelShape
+from .window_attention import band_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,8 @@ def _layer_bytes(shape: ModelShape, seq_len: int, sp_size: int, head_groups, kee
     cached = seq_local * kept_output_bytes_per_token(shape) if keep_attention else 0
     working = (seq_local * working_set_bytes_per_token(shape) + block + loss_head_bytes(shape, seq_local)
                + (kept + cached if offload else 0))
+    if shape.layer_windows or shape.sinks:  # window / sink layers: the band's own copies (window_attention.py)
+        working += seq_local * band_bytes_per_token(shape)
     return working, seq_local * plain_layer_bytes_per_token(shape), kept, cached
 
 

@@ -89,6 +89,7 @@ class ModelShape:
     attention_dropout: float = 0.0
     model_type: str = ""
     layer_windows: tuple = ()  # per layer: its sliding window or None (full); () for all full
+    sinks: bool = False  # attention sinks: a learned logit per head in each softmax (gpt-oss)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -105,6 +106,7 @@ class ModelShape:
             layer_matmul_params=layer_params, attention_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
             model_type=getattr(cfg, "model_type", "") or "",
             layer_windows=layer_windows(cfg) if any(layer_windows(cfg)) else (),
+            sinks=getattr(cfg, "model_type", "") == "gpt_oss",
         )
 
     @property

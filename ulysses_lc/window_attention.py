@@ -41,13 +41,6 @@ _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row 
 _REFUSED: set = set()
 
 
-def window_pairs(seq: int, window: int | None) -> float:
-    """(query, key) pairs one head computes over `seq` tokens: s^2 / 2 causal, s w - w^2 / 2 with a window (the
-    continuous count both FLOP formulas of metrics.py use: 4 d pairs per head forward)."""
-    w = seq if window is None else min(window, seq)
-    return seq * w - w * w / 2
-
-
 def band_bytes_per_token(shape) -> int:
     """Device bytes per local token the band holds besides the causal kernel's own, in one layer's forward or
     backward: the reversed copies of q, k, v (and of out, dout in backward) for the second call, and its output
@@ -135,6 +128,10 @@ def _band_forward(q, k, v, scale, c, backend):
     fwd = causal_ops(backend)[0]
     b, H, s, d = q.shape
     n = -(-s // c)
+    if n == 1:  # the window holds the sequence (or no window: a sink layer): one causal call
+        out, lse, aux = fwd(q, k, v, scale)
+        return out, lse.reshape(b, H, s).to(torch.promote_types(lse.dtype, torch.float32)), ((lse.dim(), lse.dtype),
+                                                                                              aux)
     q5, k5, v5 = (_chunks(_pad(x, n * c), n) for x in (q, k, v))
     out_d, lse_d, aux_d = fwd(_diag(q5), _diag(k5), _diag(v5), scale)
     aux = ((lse_d.dim(), lse_d.dtype), aux_d)
@@ -174,6 +171,8 @@ def _band_backward(dout, q, k, v, out, lse_final, aux, scale, c, backend):
         lse = lse.to(lse_dtype).contiguous()
         return lse.unsqueeze(-1) if lse_nd == 4 else lse
 
+    if n == 1:
+        return bwd(_as_layout(dout, q), q, k, v, _as_layout(out, q), lse_arg(lse_final), aux[1], scale)
     q_d = _diag(q5)
     grads = bwd(_as_layout(_diag(dout5), q_d), q_d, _diag(k5), _diag(v5), _as_layout(_diag(out5), q_d),
                 lse_arg(_diag(lse5)), aux[1], scale)
@@ -314,4 +313,4 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
 
 
 __all__ = ["CUDA_DEFAULT_HOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "resolve_how",
-           "window_attention", "window_pairs"]
+           "window_attention"]
