@@ -292,9 +292,9 @@ def check_model_for_ulysses(config, sp_size: int) -> None:
         refused = sorted(set(refused) | {"chunked_attention"})
     if refused and sp_size > 1:
         raise ValueError(
-            f"{cfg.model_type} has layers of type {refused}, which Ulysses sequence parallelism would silently "
-            "train as full causal attention; use a full-attention or sliding-window model (Qwen3, Llama, Mistral, "
-            "Gemma 3, gpt-oss) or sp_size=1."
+            f"{cfg.model_type} has layers of type {refused}; Ulysses sequence parallelism would silently train them "
+            "as full causal attention. Use a model whose layers are full or sliding-window attention (Qwen3, Llama, "
+            "Mistral, Gemma 3, gpt-oss), or sp_size=1."
         )
     if getattr(cfg, "use_bidirectional_attention", False) and sp_size > 1:
         raise ValueError(f"{cfg.model_type} with use_bidirectional_attention=True attends to later tokens, which "
