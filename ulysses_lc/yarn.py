@@ -140,6 +140,18 @@ def apply_yarn(config, target_length: int, factor: float | None = None):
     return config
 
 
+def describe_rope_scaling(config) -> str:
+    """One phrase for a log: the config's RoPE scaling (the full-attention layers' where it is per layer type)."""
+    params, where = getattr(config, "rope_parameters", None) or {}, ""
+    if _per_layer_type(config):
+        params, where = params.get("full_attention") or {}, " on the full-attention layers"
+    if params.get("rope_type") == "yarn":
+        return f"YaRN factor {params['factor']:g}{where}"
+    if params.get("rope_type") == "linear":
+        return f"linear RoPE factor {params['factor']:g}{where}"
+    return "no YaRN (within the trained length)"
+
+
 def load_model_for_length(name_or_path: str, target_length: int, factor: float | None = None, **from_pretrained_kwargs):
     """`AutoModelForCausalLM.from_pretrained` with YaRN configured for `target_length` tokens.
 
@@ -156,4 +168,4 @@ def load_model_for_length(name_or_path: str, target_length: int, factor: float |
     return AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
 
 
-__all__ = ["apply_yarn", "load_model_for_length", "trained_length", "yarn_rope_parameters"]
+__all__ = ["apply_yarn", "describe_rope_scaling", "load_model_for_length", "trained_length", "yarn_rope_parameters"]

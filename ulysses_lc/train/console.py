@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..metrics import StepLogger
+from ..yarn import describe_rope_scaling
 
 GB = 1e9
 
@@ -51,8 +52,7 @@ def _plan_reason(cfg, device: str) -> str:
 
 def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str) -> str:
     """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory."""
-    rope = getattr(checked.model_config, "rope_parameters", None) or {}
-    yarn = f"YaRN factor {rope['factor']:g}" if rope.get("rope_type") == "yarn" else "no YaRN (within the trained length)"
+    yarn = describe_rope_scaling(checked.model_config)
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
     lines = [
