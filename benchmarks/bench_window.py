@@ -12,7 +12,8 @@ rate_vs_causal = the candidate's TF/s on its own FLOPs / the full causal cuDNN k
 Candidates (ulysses_lc.window_attention unless said): band_cudnn (two batched cuDNN causal calls over the band),
 band_flash (the same through SDPA's FLASH ops), flash_window (one call of torch's FLASH kernel with its window),
 band_cudnn_sinks (the default with gpt-oss sinks), flex (torch.nn.attention.flex_attention, compiled, sliding-window
-block mask; not in the library). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
+block mask; not in the library: on 2026-12-01 its run built the mask uncompiled, which asked for 64 GiB at 256k, so
+it has no figure yet; fixed since, not rerun). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
 length that is no multiple of the window): rel_err is the largest relative error norm over out, dq, dk, dv.
 Each run prints its JSON rows as it goes, a table last, and writes <out>/window_results.json.
 """
@@ -100,8 +101,9 @@ def _attend(name, window, sinks=None):
         def fn(q, k, v):
             T = q.shape[2]
             if T not in masks:
+                # _compile=True: built block by block; uncompiled it materialises a T x T mask (64 GiB at 256k)
                 masks[T] = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (ki > qi - window), None, None, T, T,
-                                             device=q.device)
+                                             device=q.device, _compile=True)
             return compiled(q, k, v, block_mask=masks[T], enable_gqa=q.shape[1] != k.shape[1])
         return fn
     raise ValueError(name)

@@ -102,14 +102,17 @@ def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "s
     here: a document's backward block is its own length's.
 
     window, sinks_h: a sliding window and per-head sink logits (window_attention.py), restarting at each
-    document's start: one windowed varlen call where window_attention's CUDA default is "flash_window", else the
-    band per run of equal-length documents."""
+    document's start: one windowed varlen call where window_attention picks "flash_window" (CUDA, windows under
+    BAND_MIN_WINDOW), else the band per run of equal-length documents."""
     if how not in DOCUMENT_KERNELS:
         raise ValueError(f"how={how!r}: pick one of {DOCUMENT_KERNELS}.")
     if window is not None or sinks_h is not None:
-        if resolve_how("auto", q_bhsd.device) == "flash_window" and how != "loop":
-            return window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window, sinks_h, kernel, how="flash_window",
-                                    bounds=tuple(bounds))
+        if resolve_how("auto", q_bhsd.device, window) == "flash_window" and how != "loop":
+            try:
+                return window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window, sinks_h, kernel, how="flash_window",
+                                        bounds=tuple(bounds))
+            except ValueError:  # its kernel refused the shape (logged): the band per document
+                pass
         attend = functools.partial(window_attention, scaling=scaling, window=window, sinks_h=sinks_h, kernel=kernel)
         return _loop_documents(q_bhsd, k_bhsd, v_bhsd, _equal_runs(bounds), attend)
     runs = _equal_runs(bounds)

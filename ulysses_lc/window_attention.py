@@ -21,6 +21,13 @@ sink is one more column of P, with value 0), and d sink = -sum_i exp(sink - L'_i
 
 `how="flash_window"`: one call of torch's FLASH kernel with its own window (aten._flash_attention_forward,
 window_size_left = w - 1; documents as its cu_seqlens), the same merge-free sink and backward; CUDA only.
+
+Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-01; fwd+bwd
+TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads): flash_window 0.14 / 0.41 / 0.55
+and the band over cuDNN 0.06 / 0.28 / 0.66 at windows of 128 (gpt-oss-20b heads, 64 x 64) / 1024 (Gemma 3 27B,
+32 x 128) / 4096 (Mistral 7B, 32 x 128). So flash_window below BAND_MIN_WINDOW (2048, between the two measured
+points), the band from there and for sink layers without a window (one cuDNN causal call); either falls back to
+the other where its kernel refuses the shape.
 """
 
 from __future__ import annotations
@@ -35,8 +42,7 @@ from .explicit_attention import causal_ops, explicit_backends
 logger = logging.getLogger(__name__)
 
 WINDOW_HOWS = ("auto", "band", "flash_window")
-# The CUDA default, picked by benchmarks/bench_window.py on an H200 (BENCHMARKS.md): see `resolve_how`.
-CUDA_DEFAULT_HOW = "band"
+BAND_MIN_WINDOW = 2048  # CUDA: the band from this window up, flash_window below (module docstring)
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
 _REFUSED: set = set()
 
@@ -48,11 +54,15 @@ def band_bytes_per_token(shape) -> int:
     return 2 * (3 * shape.q_width + 3 * shape.kv_width)
 
 
-def resolve_how(how: str, device: torch.device) -> str:
+def resolve_how(how: str, device: torch.device, window: int | None = None) -> str:
+    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA flash_window for a window
+    under BAND_MIN_WINDOW, else the band (module docstring)."""
     if how not in WINDOW_HOWS:
         raise ValueError(f"how={how!r}: pick one of {WINDOW_HOWS}.")
     if how == "auto":
-        return CUDA_DEFAULT_HOW if device.type == "cuda" else "band"
+        if device.type != "cuda":
+            return "band"
+        return "flash_window" if window is not None and window < BAND_MIN_WINDOW else "band"
     if how == "flash_window" and device.type != "cuda":
         raise ValueError("how='flash_window' runs torch's CUDA FLASH kernel; use how='band' on CPU.")
     return how
@@ -276,41 +286,44 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
     in the softmax denominator when `sinks_h` [h_local] is given; returns [b, h, s, d].
 
     kernel: the layer's kernel setting; the band runs through the explicit SDPA backends of "auto" unless it
-        names one ("cudnn", "sdpa"). how: "band", "flash_window" (CUDA), "auto" (CUDA_DEFAULT_HOW on CUDA).
+        names one ("cudnn", "sdpa"). how: "band", "flash_window" (CUDA), "auto" (resolve_how; on CUDA the other
+        one is tried where the first refuses the shape).
     bounds: packed documents [0, ..., s] (how="flash_window" only: one varlen call; kernels.document_attention
         runs the band per document). sink_list / kept: the kept-output handshake (attention.kept_output_attention).
     """
     scale = scaling if scaling is not None else q_bhsd.shape[-1] ** -0.5
-    how = resolve_how(how, q_bhsd.device)
-    if bounds is not None and how != "flash_window":
-        raise ValueError("bounds need how='flash_window'; kernels.document_attention runs the band per document.")
     if kept is not None:
         how, backend, kept_tensors = kept
         return WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, how, backend, bounds,
                                      kept_tensors, None)
-    backends = ("flash",) if how == "flash_window" else explicit_backends(q_bhsd, kernel if kernel in (
-        "cudnn", "sdpa") else "auto")
-    for backend in backends:
-        key = (how, backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
+    chosen = resolve_how(how, q_bhsd.device, window)
+    if bounds is not None and chosen != "flash_window":
+        raise ValueError("bounds need how='flash_window'; kernels.document_attention runs the band per document.")
+    band = [("band", b) for b in explicit_backends(q_bhsd, kernel if kernel in ("cudnn", "sdpa") else "auto")]
+    tries = [("flash_window", "flash")] if chosen == "flash_window" else band
+    if how == "auto" and q_bhsd.is_cuda and bounds is None:
+        tries += band if chosen == "flash_window" else [("flash_window", "flash")]
+    for impl, backend in tries:
+        key = (impl, backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
         if key in _REFUSED:
             continue
         got = []
         try:
-            out = WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, how, backend, bounds, None,
+            out = WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, impl, backend, bounds, None,
                                         got)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as e:
             _REFUSED.add(key)
-            logger.warning("window attention: %s/%s refused %s (%s); trying the next one", how, backend,
+            logger.warning("window attention: %s/%s refused %s (%s); trying the next one", impl, backend,
                            tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
             continue
         if sink_list is not None:
-            sink_list.append((how, backend, got[0]))
+            sink_list.append((impl, backend, got[0]))
         return out
     raise ValueError(f"no kernel takes windowed attention of {tuple(q_bhsd.shape)} {q_bhsd.dtype} on "
                      f"{q_bhsd.device} (how={how!r}); on CUDA use bf16/fp16 and head_dim <= 256.")
 
 
-__all__ = ["CUDA_DEFAULT_HOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "resolve_how",
+__all__ = ["BAND_MIN_WINDOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "resolve_how",
            "window_attention"]
