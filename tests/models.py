@@ -1,9 +1,15 @@
 """Tiny models of each supported family, built from configs in code (no downloads), fp32."""
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig,
+)
 
 VOCAB = 97
+# Sliding-window families (window_attention.py), all with a default window of WINDOW tokens: smaller than a shard
+# of the tests' sequences at sp 2, overridable with sliding_window=...
+WINDOW_FAMILIES = ("mistral", "gemma3", "gpt_oss")
+WINDOW = 5
 
 
 def tiny_config(family: str, **overrides):
@@ -22,6 +28,15 @@ def tiny_config(family: str, **overrides):
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
             mlp_only_layers=[], **common,
         )
+    window = dict(sliding_window=common.pop("sliding_window", WINDOW))
+    if family == "mistral":
+        return MistralConfig(**window, **common)
+    if family == "gemma3":  # mixed local / global layers, final logit soft-capping, Gemma's own scalings
+        common.setdefault("layer_types", ["sliding_attention", "full_attention"])
+        return Gemma3TextConfig(final_logit_softcapping=3.0, query_pre_attn_scalar=8, **window, **common)
+    if family == "gpt_oss":  # sinks, sliding / full layers, MoE; transformers runs its sinks in eager only
+        common.update(attn_implementation="eager", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        return GptOssConfig(num_local_experts=4, num_experts_per_tok=2, **window, **common)
     raise ValueError(family)
 
 

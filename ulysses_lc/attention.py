@@ -7,6 +7,10 @@ causal attention over the whole sequence (kernels.py), and exchanges the output 
 sequence is in global order, so the causal kernel's `is_causal` mask is exactly "key position <= query
 position": causality comes from global positions, never from a dense mask.
 
+Sliding-window layers (the `sliding_window` kwarg transformers passes: Mistral, Gemma 3, gpt-oss, Qwen3 with
+use_sliding_window) and attention sinks (gpt-oss's `s_aux`, this rank's heads of it) run after the same exchange
+through window_attention.py: the window and the sink are per head along the sequence, which each rank holds whole.
+
 Inside a checkpointed layer that keeps its attention output (recompute.py: the `RecomputeContext` handed in
 by checkpointing), the forward keeps the kernel's output and log-sum-exp, and the recompute hands them back
 instead of running the kernel again (`kept_output_attention`).
@@ -30,6 +34,7 @@ from .kernels import KERNELS, causal_attention, document_attention, flash_attn_f
 from .layout import ParallelLayout, check_heads
 from .recompute import LayerRun, RecomputeContext
 from .shape import ModelShape, text_config
+from .window_attention import window_attention
 
 logger = logging.getLogger(__name__)
 _instance_ids = itertools.count()
@@ -106,25 +111,40 @@ class UlyssesAttention:
         self.kernel = kernel
         self.head_groups = head_groups
         self.recompute = recompute
-        # One entry per instance: two models in one process (say, a policy and a reference) may differ.
-        self.name = name or f"ulysses_lc_{kernel}_{next(_instance_ids)}"
+        # One entry per instance: two models in one process (say, a policy and a reference) may differ. No "sdpa"
+        # in the name: transformers checks a model's own SDPA support for any name containing it, and gpt-oss has
+        # none (its sinks), though Ulysses attention computes them.
+        self.name = name or f"ulysses_lc_{kernel.replace('sdpa', 'torch')}_{next(_instance_ids)}"
         logger.info("ulysses_lc attention: kernel %s, sp_size %d", kernel, layout.sp_size)
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, document_bounds=None,
                  **kwargs):
         if attention_mask is not None:
             raise ValueError(_MASK_REFUSED)
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError(
-                f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention "
-                f"(window {kwargs['sliding_window']}), which Ulysses attention does not express; use a model "
-                "whose layers are all full attention, or sp_size=1 with the model's own attention."
-            )
+        if kwargs.get("softcap") is not None:
+            raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
+                             f"(softcap={kwargs['softcap']}), which no kernel here computes; set "
+                             "config.attn_logit_softcapping=None or use sp_size=1 with attn_implementation='eager'.")
         sp = self.layout.sp_size
         key = replicate_kv_heads(key, sp)
         value = replicate_kv_heads(value, sp)
         q, k, v = qkv_seq_to_heads(query, key, value, self.layout)
         dropout = dropout if module.training else 0.0
+        window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+        if window is not None and window >= q.shape[2]:
+            window = None  # the window holds the whole sequence: plain causal attention
+        if window is not None or sinks is not None:
+            if dropout:
+                raise ValueError(f"attention dropout {dropout} in a sliding-window or sink layer: the window kernels "
+                                 "run without dropout; set config.attention_dropout=0.")
+            if sinks is not None:  # this rank's heads of the per-head sink logits (exchange.py: contiguous blocks)
+                h_local = q.shape[1]
+                sinks = sinks[self.layout.sp_rank * h_local:(self.layout.sp_rank + 1) * h_local]
+            if document_bounds is not None:
+                out = document_attention(q, k, v, document_bounds, scaling, self.kernel, window=window, sinks_h=sinks)
+            else:
+                out = self.window_call(module, q, k, v, scaling, window, sinks)
+            return heads_to_seq(out, self.layout).transpose(1, 2), None
         if document_bounds is not None:
             # Packed documents (sharding.py): the whole sequence's boundaries, the same on every rank.
             out = document_attention(q, k, v, document_bounds, scaling, self.kernel, dropout)
@@ -140,6 +160,25 @@ class UlyssesAttention:
             out = causal_attention(q, k, v, scaling, self.kernel, dropout)
         out_bshd = heads_to_seq(out, self.layout).transpose(1, 2)
         return out_bshd, None
+
+    def window_call(self, module, q, k, v, scaling, window, sinks):
+        """A window or sink layer (window_attention.py); inside a checkpointed layer that keeps its attention
+        output, the forward keeps out and the final log-sum-exp in its LayerRun and the recompute hands them back."""
+        run = self.recompute.running(getattr(module, "layer_idx", None)) if self.recompute is not None else None
+        if run is None or not run.keep_attention or not torch.is_grad_enabled():
+            return window_attention(q, k, v, scaling, window, sinks, self.kernel)
+        if run.is_recompute:
+            if run.kept_attention is None:
+                return window_attention(q, k, v, scaling, window, sinks, self.kernel)
+            how, backend, out_token, lse_token, aux = run.kept_attention
+            run.kept_attention = None  # as in kept_output_attention: the graph can outlive the backward
+            kept = (how, backend, (run.unstash(out_token), run.unstash(lse_token), aux))
+            return window_attention(q, k, v, scaling, window, sinks, self.kernel, kept=kept)
+        got = []
+        out = window_attention(q, k, v, scaling, window, sinks, self.kernel, sink_list=got)
+        how, backend, (kept_out, lse, aux) = got[0]
+        run.kept_attention = (how, backend, run.stash(kept_out), run.stash(lse), aux)
+        return out
 
     def groups_for(self, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor) -> int:
         """Head groups for one call on this rank's [b, h_local, s, d] q and k (explicit_attention.py): 1 where the
@@ -234,32 +273,32 @@ def _set_attn(model, name: str) -> None:
         model.config._attn_implementation = name
 
 
-# Layer types whose attention is not plain full causal attention over the whole sequence.
-_LOCAL_LAYER_TYPES = {"sliding_attention", "chunked_attention", "linear_attention"}
+# Layer types Ulysses attention computes exactly: full causal, and causal over a sliding window (window_attention.py).
+_EXACT_LAYER_TYPES = {"full_attention", "attention", "sliding_attention"}
 
 
 def check_model_for_ulysses(config, sp_size: int) -> None:
     """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size."""
     cfg = text_config(config)
-    if sp_size > 1 and cfg._attn_implementation == "eager":
+    # gpt-oss has no SDPA path in transformers (its sinks), so it loads as 'eager'; Ulysses attention replaces it.
+    if sp_size > 1 and cfg._attn_implementation == "eager" and not ModelShape.from_config(cfg).sinks:
         raise ValueError(
             "the model was loaded with attn_implementation='eager', whose dense masks cannot be split across "
             "ranks; load it with attn_implementation='sdpa' (ulysses_lc then switches it to Ulysses attention)."
         )
     layer_types = set(getattr(cfg, "layer_types", None) or [])
-    local = sorted(layer_types & _LOCAL_LAYER_TYPES) or sorted(
-        t for t in layer_types if t not in ("full_attention", "attention")
-    )
-    uses_window = getattr(cfg, "use_sliding_window", True) and getattr(cfg, "sliding_window", None)
-    if not layer_types and uses_window:
-        local = ["sliding_attention"]
+    refused = sorted(layer_types - _EXACT_LAYER_TYPES)
     if getattr(cfg, "attention_chunk_size", None):
-        local = sorted(set(local) | {"chunked_attention"})
-    if local and sp_size > 1:
+        refused = sorted(set(refused) | {"chunked_attention"})
+    if refused and sp_size > 1:
         raise ValueError(
-            f"{cfg.model_type} has layers of type {local}, which Ulysses sequence parallelism would silently "
-            "train as full causal attention; use a full-attention model (Qwen3, Qwen3-MoE, Llama) or sp_size=1."
+            f"{cfg.model_type} has layers of type {refused}; Ulysses sequence parallelism would silently train them "
+            "as full causal attention. Use a model whose layers are full or sliding-window attention (Qwen3, Llama, "
+            "Mistral, Gemma 3, gpt-oss), or sp_size=1."
         )
+    if getattr(cfg, "use_bidirectional_attention", False) and sp_size > 1:
+        raise ValueError(f"{cfg.model_type} with use_bidirectional_attention=True attends to later tokens, which "
+                         "the causal kernels here do not; set use_bidirectional_attention=False or sp_size=1.")
     shape = ModelShape.from_config(cfg)
     check_heads(shape.heads, shape.kv_heads, sp_size)
 

@@ -28,6 +28,10 @@ accumulation over that many terms loses the small rows' contribution.
 
 When neither hidden nor weight needs a gradient (evaluation) only the first matmul runs.
 
+Final logit soft-capping (Gemma 2/3's `final_logit_softcapping`, cap): the loss reads z = cap tanh(logits / cap),
+and dz / dlogits = 1 - (z / cap)^2, so the chunk keeps tanh in one fp32 block and z in a second: two [c, v]
+blocks instead of one, so the automatic chunk has half the rows.
+
 Ignored rows and host syncs
 ---------------------------
 The chunks walk all t rows, including those labelled IGNORE_INDEX: an ignored row goes through
@@ -108,7 +112,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_te, weight_ve, bias_v, labels_t, chunk_rows):
+    def forward(ctx, hidden_te, weight_ve, bias_v, labels_t, chunk_rows, softcap=None):
         t, e = hidden_te.shape
         v = weight_ve.shape[0]
         dtype = hidden_te.dtype
@@ -151,6 +155,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             labels_c1 = safe_labels_t[start:end].unsqueeze(1)
             valid_c = valid_t[start:end]
             logits_cv = F.linear(hidden_ce, weight_ve, bias_v).to(acc_dtype)
+            tanh_cv = None
+            if softcap is not None:
+                tanh_cv = logits_cv.div_(softcap).tanh_()
+                logits_cv = tanh_cv * softcap
             lse_c = torch.logsumexp(logits_cv, dim=-1)
             target_logit_c = logits_cv.gather(1, labels_c1).squeeze(1)
             loss_sum += torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
@@ -162,6 +170,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             shift_c = lse_c.masked_fill(valid_c.logical_not(), float("inf"))
             dlogits_cv = logits_cv.sub_(shift_c.unsqueeze(1)).exp_()
             dlogits_cv.scatter_add_(1, labels_c1, valid_c.to(acc_dtype).neg_().unsqueeze(1))
+            if tanh_cv is not None:  # through z = cap tanh(logits / cap)
+                dlogits_cv.mul_(tanh_cv.square_().neg_().add_(1.0))
+                del tanh_cv
             if need_grad_bias:
                 grad_bias_v += dlogits_cv.sum(0)
             dlogits_lowp_cv = dlogits_cv.to(dtype)
@@ -196,7 +207,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         if ctx.grad_bias_v is not None:
             grad_bias = ctx.grad_bias_v.mul_(grad_loss_sum).to(ctx.bias_dtype)
         ctx.grad_hidden_te = ctx.grad_weight_ve = ctx.grad_bias_v = None
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def chunked_cross_entropy(
@@ -205,11 +216,13 @@ def chunked_cross_entropy(
     labels_t: torch.Tensor,
     bias_v: torch.Tensor | None = None,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (loss_sum fp32 (fp64 for fp64 inputs), n_valid int64) of the LM head over `hidden_te`, chunk by chunk.
 
     Labels are already shifted; rows labelled IGNORE_INDEX contribute nothing. `chunk_rows`
-    overrides the automatic rows per chunk (about 1 GiB of fp32 logits).
+    overrides the automatic rows per chunk (about 1 GiB of fp32 logits). softcap: the loss reads
+    softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping).
     """
     if hidden_te.dim() != 2 or labels_t.dim() != 1 or hidden_te.shape[0] != labels_t.shape[0]:
         raise ValueError(
@@ -222,10 +235,10 @@ def chunked_cross_entropy(
             "lm_head weight itself (not transposed)."
         )
     if chunk_rows is None:
-        chunk_rows = auto_chunk_rows(weight_ve.shape[0])
+        chunk_rows = auto_chunk_rows(weight_ve.shape[0], _TARGET_CHUNK_LOGITS_BYTES // (2 if softcap else 1))
     elif chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1 or None (automatic), got {chunk_rows}.")
-    return ChunkedCrossEntropy.apply(hidden_te, weight_ve, bias_v, labels_t.long(), int(chunk_rows))
+    return ChunkedCrossEntropy.apply(hidden_te, weight_ve, bias_v, labels_t.long(), int(chunk_rows), softcap)
 
 
 class ChunkedLossHead(nn.Module):
@@ -233,21 +246,24 @@ class ChunkedLossHead(nn.Module):
 
     Holds the very Parameter objects of the `nn.Linear` it replaces, so tied input/output
     embeddings stay tied and ZeRO-3 gathers the weight once in this module's forward
-    pre-hook (and once before its backward), not once per chunk.
+    pre-hook (and once before its backward), not once per chunk. softcap: the model's final logit
+    soft-capping, which the loss applies (the logits without labels stay the head's own: the
+    model's forward caps them).
     """
 
-    def __init__(self, lm_head: nn.Linear, chunk_rows: int | None = None):
+    def __init__(self, lm_head: nn.Linear, chunk_rows: int | None = None, softcap: float | None = None):
         super().__init__()
         if not isinstance(lm_head, nn.Linear):
             raise ValueError(
                 f"ChunkedLossHead wraps an nn.Linear LM head, got {type(lm_head).__name__}; models whose "
-                "head is not a plain linear layer (e.g. with logit soft-capping) need their own loss."
+                "head is not a plain linear layer need their own loss."
             )
         self.in_features = lm_head.in_features
         self.out_features = lm_head.out_features
         self.weight = lm_head.weight
         self.bias = lm_head.bias
         self.chunk_rows = chunk_rows
+        self.softcap = softcap
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None):
         if labels is None:
@@ -258,11 +274,20 @@ class ChunkedLossHead(nn.Module):
                 "pass labels already shifted to align with hidden."
             )
         return chunked_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1), self.bias, self.chunk_rows
+            hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1), self.bias, self.chunk_rows,
+            self.softcap,
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        cap = f", softcap={self.softcap}" if self.softcap else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{cap}"
+
+
+def final_logit_softcap(config) -> float | None:
+    """The cap of the model's final logit soft-capping (Gemma 2/3), or None."""
+    get = getattr(config, "get_text_config", None)
+    cfg = get() if callable(get) else config
+    return getattr(cfg, "final_logit_softcapping", None) or None
 
 
 def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None) -> Handle:
@@ -270,7 +295,7 @@ def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None) -
     old_head = model.get_output_embeddings()
     if isinstance(old_head, ChunkedLossHead):
         raise ValueError("the model already has a ChunkedLossHead; call the undo returned by the first install.")
-    new_head = ChunkedLossHead(old_head, chunk_rows)
+    new_head = ChunkedLossHead(old_head, chunk_rows, final_logit_softcap(model.config))
     model.set_output_embeddings(new_head)
 
     def undo():
@@ -285,6 +310,7 @@ __all__ = [
     "auto_chunk_rows",
     "check_labels_in_vocab",
     "chunked_cross_entropy",
+    "final_logit_softcap",
     "install_chunked_loss_head",
     "loss_head_bytes",
 ]

@@ -83,8 +83,15 @@ def keeps_attention_outputs(kernel: str) -> bool:
     return kernel in _KEPT_BACKENDS
 
 
-def _explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
-    """Backends for the kept-output path on q's device."""
+def causal_ops(backend: str):
+    """(forward, backward) of one explicit causal backend ("cudnn", "flash", "cpu"): forward(q, k, v, scale) ->
+    (out, lse, aux), backward(dout, q, k, v, out, lse, aux, scale) -> (dq, dk, dv). window_attention.py runs
+    its band of the sequence through them."""
+    return _EXPLICIT[backend]
+
+
+def explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
+    """Backends for the kept-output path on q's device, in the order they are tried."""
     if not keeps_attention_outputs(kernel):
         return ()
     if q.device.type == "cpu":
@@ -217,7 +224,7 @@ def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int
     over `groups` head groups; None when none does (the caller runs `causal_attention`). With a `sink`, the
     backend name and the kernel's (out, lse, aux) are appended to it."""
     check_head_groups(q_bhsd, k_bhsd, groups)
-    for backend in _explicit_backends(q_bhsd, kernel):
+    for backend in explicit_backends(q_bhsd, kernel):
         key = (backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
         if key in _REFUSED:
             continue
@@ -241,6 +248,6 @@ def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int
 
 
 __all__ = [
-    "ExplicitAttention", "attention_backward_block_bytes", "attention_head_groups", "check_head_groups",
-    "explicit_attention", "keeps_attention_outputs", "valid_head_groups",
+    "ExplicitAttention", "attention_backward_block_bytes", "attention_head_groups", "causal_ops", "check_head_groups",
+    "explicit_attention", "explicit_backends", "keeps_attention_outputs", "valid_head_groups",
 ]

@@ -3,18 +3,21 @@
 Legend: shape.py. Every function here takes q [b, h_local, s, d] and k, v [b, h_kv_local, s, d] after the
 Ulysses exchange (exchange.py) and communicates nothing.
   causal_attention       F.scaled_dot_product_attention (cuDNN-first on Hopper) or flash-attn
-  document_attention     the same inside each document of a packed sequence (batched runs, or one varlen call)
+  document_attention     the same inside each document of a packed sequence (batched runs, or one varlen call),
+                         also over a sliding window and with sinks (window_attention.py), which restart per document
 The kernels whose forward and backward we call ourselves (kept outputs, head groups) are in explicit_attention.py.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 import torch.nn.functional as F
 
 from .explicit_attention import keeps_attention_outputs
+from .window_attention import resolve_how, window_attention
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +93,29 @@ DOCUMENT_KERNELS = ("auto", "loop", "varlen")
 
 
 def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "sdpa", dropout: float = 0.0,
-                       how: str = "auto"):
+                       how: str = "auto", window: int | None = None, sinks_h=None):
     """Causal attention inside each document of a packed sequence: documents [bounds[i], bounds[i+1]) of the
     whole sequence (bounds start at 0 and end at s); returns [b, h, s, d]. Exact on any kernel.
 
     how: "loop" (one call per run of equal-length documents, `causal_attention`), "varlen" (one
     variable-length call, CUDA, SDPA kernels), "auto" (varlen where it is available and the loop's calls would
     average fewer than DOCUMENT_VARLEN_TOKENS tokens, else loop). Kept outputs and head groups are not used
-    here: a document's backward block is its own length's."""
+    here: a document's backward block is its own length's.
+
+    window, sinks_h: a sliding window and per-head sink logits (window_attention.py), restarting at each
+    document's start: one windowed varlen call where window_attention picks "flash_window" (CUDA, windows under
+    BAND_MIN_WINDOW), else the band per run of equal-length documents."""
     if how not in DOCUMENT_KERNELS:
         raise ValueError(f"how={how!r}: pick one of {DOCUMENT_KERNELS}.")
+    if window is not None or sinks_h is not None:
+        if resolve_how("auto", q_bhsd.device, window) == "flash_window" and how != "loop":
+            try:
+                return window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window, sinks_h, kernel, how="flash_window",
+                                        bounds=tuple(bounds))
+            except ValueError:  # its kernel refused the shape (logged): the band per document
+                pass
+        attend = functools.partial(window_attention, scaling=scaling, window=window, sinks_h=sinks_h, kernel=kernel)
+        return _loop_documents(q_bhsd, k_bhsd, v_bhsd, _equal_runs(bounds), attend)
     runs = _equal_runs(bounds)
     short = (bounds[-1] - bounds[0]) / len(runs) < DOCUMENT_VARLEN_TOKENS
     varlen_ok = q_bhsd.is_cuda and not dropout and keeps_attention_outputs(kernel) and _varlen_attn() is not None
@@ -108,13 +124,16 @@ def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "s
             raise ValueError("how='varlen' needs CUDA, an SDPA kernel, no attention dropout and "
                              "torch.nn.attention.varlen; use how='loop'.")
         return _varlen_documents(q_bhsd, k_bhsd, v_bhsd, bounds, scaling)
+    attend = functools.partial(causal_attention, scaling=scaling, kernel=kernel, dropout=dropout)
+    return _loop_documents(q_bhsd, k_bhsd, v_bhsd, runs, attend)
+
+
+def _loop_documents(q_bhsd, k_bhsd, v_bhsd, runs, attend):
+    """attend(q, k, v) per run of equal-length documents, the run's documents along the batch dim."""
     outs = []
     for a, b, n in runs:
-        if n == 1:
-            outs.append(causal_attention(q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b], scaling, kernel, dropout))
-        else:  # n documents of one length: one call with them along the batch dim
-            outs.append(_batched_documents(q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b], n, scaling, kernel,
-                                           dropout))
+        q, k, v = q_bhsd[:, :, a:b], k_bhsd[:, :, a:b], v_bhsd[:, :, a:b]
+        outs.append(attend(q, k, v) if n == 1 else _batched_documents(q, k, v, n, attend))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -130,13 +149,13 @@ def _equal_runs(bounds):
     return runs
 
 
-def _batched_documents(q_bhsd, k_bhsd, v_bhsd, n, scaling, kernel, dropout):
+def _batched_documents(q_bhsd, k_bhsd, v_bhsd, n, attend):
     """n equal-length documents laid end to end along s: [b, h, n*L, d] -> n sequences of L along the batch."""
     def split(x):
         b, h, s, d = x.shape
         return x.unflatten(2, (n, s // n)).permute(0, 2, 1, 3, 4).flatten(0, 1)  # [b*n, h, L, d]
 
-    out = causal_attention(split(q_bhsd), split(k_bhsd), split(v_bhsd), scaling, kernel, dropout)
+    out = attend(split(q_bhsd), split(k_bhsd), split(v_bhsd))
     b = q_bhsd.shape[0]
     return out.unflatten(0, (b, n)).permute(0, 2, 1, 3, 4).flatten(2, 3)
 

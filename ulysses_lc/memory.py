@@ -26,6 +26,7 @@ from .explicit_attention import attention_backward_block_bytes, attention_head_g
 from .layout import ParallelLayout
 from .memory_model import ALLOCATOR_SLACK, HOST_HEADROOM, StepTerms, zero3_working_bytes
 from .shape import ModelShape
+from .window_attention import band_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,10 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
     chunk = auto_chunk_rows(shape.vocab) * shape.vocab * 4  # one chunk's fp32 logits, inside loss_head_bytes
     return StepTerms.fitted(
         layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape),
-        working_formula=seq_local * working_set_bytes_per_token(shape), block=block,
+        # Window / sink layers: the band's own copies (window_attention.py) join the working set.
+        working_formula=seq_local * (working_set_bytes_per_token(shape)
+                                     + (band_bytes_per_token(shape) if shape.layer_windows or shape.sinks else 0)),
+        block=block,
         kept=seq_local * checkpointed_input_bytes_per_token(shape),
         cached=output if keep_attention and not packed else 0, attention_output=output,
         loss=loss_head_bytes(shape, seq_local) - chunk, loss_chunk=chunk, sp_size=sp_size, packed=packed,

@@ -22,7 +22,7 @@ class FlopsPerStep:
     """FLOPs of one training step on one sequence of `tokens` tokens (all ranks together).
 
     model: what the step must compute (MFU counts these): dense 6*N*s + causal attention
-        fwd 2*s^2*h*d*n_layers, bwd twice that.
+        fwd 2*s^2*h*d*n_layers, bwd twice that (a sliding-window layer 4*(s*w - w^2/2)*h*d instead of 2*s^2*h*d).
     hardware: model + the activation-checkpoint recompute of each decoder layer's forward
         (layer matmuls 2*N_layers*s + attention fwd); equals model when recompute is off.
     effective: the ALST/Megatron "effective TFLOPS" convention, for comparison with the
@@ -63,7 +63,8 @@ def model_flops_per_step(
     model     = dense + attention
     hardware  = model + [recompute] (r/n_layers * 2 * N_layers * s + (r - c)/n_layers * 2 * s^2 * h * d * n_layers)
     effective = 4.5 * 2 * s^2 * h * d * n_layers + 8 * N * s   (ALST/Megatron convention)
-    h counts query heads (GQA shares K/V but every query head does its own QK^T and PV).
+    h counts query heads (GQA shares K/V but every query head does its own QK^T and PV). A sliding-window
+    layer's s^2/2 pairs are s*w - w^2/2 (ModelShape.attention_pairs), so 2*s^2 above reads 4*(s*w - w^2/2) there.
     r = recompute_layers (default all) layers are recomputed; c = cached_attention_layers of them keep
     their attention output, so their recompute skips the attention forward (attention.py).
     """
@@ -73,7 +74,7 @@ def model_flops_per_step(
     n_layers_params, n_head_params = shape.layer_matmul_params, shape.head_matmul_params
     n_params = n_layers_params + n_head_params
     tokens = seq_len
-    attn_fwd = 2.0 * tokens * tokens * shape.heads * shape.head_dim * shape.layers
+    attn_fwd = 4.0 * shape.attention_pairs(tokens) * shape.heads * shape.head_dim
     dense = 6.0 * n_params * tokens
     attention = 3.0 * attn_fwd
     model = dense + attention

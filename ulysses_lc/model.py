@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .attention import install_ulysses_attention
 from .checkpointing import install_checkpointing
-from .chunked_loss import ChunkedLossHead, install_chunked_loss_head
+from .chunked_loss import ChunkedLossHead, final_logit_softcap, install_chunked_loss_head
 from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
@@ -185,7 +185,10 @@ class SequenceParallelCausalLM(nn.Module):
         if isinstance(head, ChunkedLossHead):
             loss_sum, n_valid = head(hidden_bse, labels)
         else:
-            loss_sum, n_valid = plain_loss_sum(head(hidden_bse), labels)
+            logits_bsv, cap = head(hidden_bse), final_logit_softcap(self.config)
+            if cap:  # Gemma's final soft-capping, which the model's own forward applies after its head
+                logits_bsv = torch.tanh(logits_bsv / cap) * cap
+            loss_sum, n_valid = plain_loss_sum(logits_bsv, labels)
         loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout)
         return loss
 

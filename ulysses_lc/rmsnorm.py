@@ -36,26 +36,34 @@ def _rows_per_chunk(width: int) -> int:
 
 class RMSNormFunction(torch.autograd.Function):
     """Forward: weight * (x * rsqrt(mean(x^2) + eps)) with the normalisation in fp32, cast back to x's dtype
-    before the weight (transformers' order). Saves x (its own dtype), weight and rstd [t, 1] fp32; sends
-    nothing. Backward recomputes x_hat from x and rstd. Both walk rows in chunks of `chunk_rows` (None:
-    ~256 MiB of fp32 per temporary); the weight gradient is summed per chunk in fp32."""
+    before the weight (transformers' Llama order). gemma=True: Gemma's form, x_hat * (1 + weight) in fp32 and
+    cast after it; cast_after=True: gpt-oss's, weight * x_hat in fp32, cast after it. Saves x (its own dtype),
+    weight and rstd [t, 1] fp32; sends nothing. Backward recomputes x_hat from x and rstd. Both walk rows in
+    chunks of `chunk_rows` (None: ~256 MiB of fp32 per temporary); the weight gradient is summed per chunk in
+    fp32."""
 
     @staticmethod
-    def forward(ctx, x, weight_w, eps, chunk_rows=None):
+    def forward(ctx, x, weight_w, eps, chunk_rows=None, gemma=False, cast_after=False):
         width = x.shape[-1]
         x_tw = x.reshape(-1, width)
         rows = x_tw.shape[0]
         chunk = chunk_rows or _rows_per_chunk(width)
-        y_tw = torch.empty(x_tw.shape, dtype=torch.promote_types(weight_w.dtype, x.dtype), device=x.device)
+        cast_after = cast_after or gemma
+        dtype = x.dtype if cast_after else torch.promote_types(weight_w.dtype, x.dtype)
+        y_tw = torch.empty(x_tw.shape, dtype=dtype, device=x.device)
         rstd_t1 = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+        scale_w = (1.0 + weight_w.float()) if gemma else weight_w.float()
         for start in range(0, rows, chunk):
             x_f = x_tw[start:start + chunk].to(torch.float32)
             rstd = torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + eps)
             rstd_t1[start:start + chunk] = rstd
-            torch.mul(weight_w, (x_f * rstd).to(x.dtype), out=y_tw[start:start + chunk])
+            if cast_after:
+                y_tw[start:start + chunk] = (x_f * rstd) * scale_w if gemma else scale_w * (x_f * rstd)
+            else:
+                torch.mul(weight_w, (x_f * rstd).to(x.dtype), out=y_tw[start:start + chunk])
             del x_f
         ctx.save_for_backward(x, weight_w, rstd_t1)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.gemma, ctx.cast_after = chunk, gemma, cast_after
         return y_tw.view(x.shape)
 
     @staticmethod
@@ -68,45 +76,64 @@ class RMSNormFunction(torch.autograd.Function):
         need_weight = ctx.needs_input_grad[1]
         grad_x_tw = torch.empty_like(x_tw) if ctx.needs_input_grad[0] else None
         grad_weight_f = torch.zeros(width, dtype=torch.float32, device=x.device) if need_weight else None
+        scale_w = (1.0 + weight_w.float()) if ctx.gemma else weight_w.float()
         for start in range(0, x_tw.shape[0], ctx.chunk):
             end = start + ctx.chunk
             rstd = rstd_t1[start:end]
             grad_y_c = grad_y_tw[start:end]
             x_hat = x_tw[start:end].to(torch.float32) * rstd
             if need_weight:
-                grad_weight_f += (grad_y_c * x_hat.to(x.dtype)).sum(0, dtype=torch.float32)
+                if ctx.cast_after:
+                    grad_weight_f += (grad_y_c.float() * x_hat).sum(0)
+                else:
+                    grad_weight_f += (grad_y_c * x_hat.to(x.dtype)).sum(0, dtype=torch.float32)
             if grad_x_tw is not None:
-                grad_x_hat = (grad_y_c * weight_w).to(torch.float32)
+                if ctx.cast_after:
+                    grad_x_hat = grad_y_c.float() * scale_w
+                else:
+                    grad_x_hat = (grad_y_c * weight_w).to(torch.float32)
                 proj = (grad_x_hat * x_hat).mean(-1, keepdim=True)
                 grad_x_hat.sub_(x_hat.mul_(proj)).mul_(rstd)
                 grad_x_tw[start:end] = grad_x_hat
             del x_hat
         grad_x = None if grad_x_tw is None else grad_x_tw.view(x.shape)
         grad_weight = None if grad_weight_f is None else grad_weight_f.to(weight_w.dtype)
-        return grad_x, grad_weight, None, None
+        return grad_x, grad_weight, None, None, None, None
 
 
 def _efficient_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
 
 
-# Classes whose forward is exactly "weight * normalised.to(input dtype)" (checked against transformers 5.17
-# and 5.24). Others look alike but differ: Gemma's (1 + weight), Olmo2/3 and gpt-oss cast after the weight.
-_LLAMA_ORDER_RMSNORMS = {
-    "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
-    "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
+def _gemma_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return RMSNormFunction.apply(hidden_states, self.weight, self.eps, None, True)
+
+
+def _cast_after_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, None, False, True)
+
+
+# Each family's RMSNorm class by its form, each checked against transformers 5.17 and 5.24: Llama's
+# "weight * normalised.to(input dtype)"; Gemma 3's "(normalised * (1 + weight)).to(input dtype)", with `eps`;
+# gpt-oss's "(weight * normalised).to(input dtype)". Others that look alike differ (Olmo2/3's order, Gemma 1/2's
+# eps placement) and are left alone.
+_RMSNORM_FORMS = {
+    **dict.fromkeys(("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
+                     "Qwen3RMSNorm", "Qwen3MoeRMSNorm"), _efficient_forward),
+    "Gemma3RMSNorm": _gemma_forward,
+    "GptOssRMSNorm": _cast_after_forward,
 }
 
 
 def _is_rmsnorm(module: nn.Module) -> bool:
-    return type(module).__name__ in _LLAMA_ORDER_RMSNORMS and isinstance(getattr(module, "weight", None), nn.Parameter)
+    return type(module).__name__ in _RMSNORM_FORMS and isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
 def install_efficient_rmsnorm(model: nn.Module) -> Handle:
-    """Switch every Llama-style RMSNorm in `model` to RMSNormFunction; the Handle's undo() switches them back."""
+    """Switch every RMSNorm of a known form in `model` to RMSNormFunction; the Handle's undo() switches them back."""
     patched = [m for m in model.modules() if _is_rmsnorm(m)]
     for module in patched:
-        module.forward = types.MethodType(_efficient_forward, module)
+        module.forward = types.MethodType(_RMSNORM_FORMS[type(module).__name__], module)
 
     def undo():
         for module in patched:

@@ -13,6 +13,7 @@ Legend (every module uses these letters; a tensor name ends in its layout, e.g. 
     d        head dim
     w        width of a normalised row (e, or d for the per-head q/k norms)
     g        head groups the attention kernel runs one after another
+    w        a sliding window: the keys a query sees (window_attention.py)
 "axis" is a process-group axis (sp, dp); "dim" is a tensor dimension.
 
 `ModelShape` is what the levers, the memory plan and the FLOP count need to know of a model; each reads
@@ -49,7 +50,27 @@ def _mlp_matmul_params(cfg, layer: int) -> int:
         return 3 * e * cfg.intermediate_size
     experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
     shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
-    return e * experts + cfg.num_experts_per_tok * 3 * e * cfg.moe_intermediate_size + 3 * e * shared
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size  # gpt-oss: intermediate_size
+    return e * experts + cfg.num_experts_per_tok * 3 * e * width + 3 * e * shared
+
+
+def layer_windows(cfg) -> tuple:
+    """Per decoder layer, its sliding window w (keys a query sees) or None (full causal attention): layer_types
+    where the config has them (Gemma 3, gpt-oss, Qwen3 with use_sliding_window), else every layer (Mistral)."""
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False:
+        window = None
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return (window,) * cfg.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def window_pairs(seq: int, window: int | None) -> float:
+    """(query, key) pairs one head computes over `seq` tokens: s^2 / 2 causal, s w - w^2 / 2 within a window
+    (4 d FLOPs each in the forward: QK^T and PV)."""
+    w = seq if window is None else min(window, seq)
+    return seq * w - w * w / 2
 
 
 def _mlp_params(cfg, layer: int) -> int:
@@ -59,7 +80,8 @@ def _mlp_params(cfg, layer: int) -> int:
         return 3 * e * cfg.intermediate_size
     experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
     shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
-    return e * experts + experts * 3 * e * cfg.moe_intermediate_size + 3 * e * shared
+    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size  # gpt-oss: intermediate_size
+    return e * experts + experts * 3 * e * width + 3 * e * shared
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,8 @@ class ModelShape:
     attention_dropout: float = 0.0
     model_type: str = ""
     layer_params: int = 0  # weights of the largest decoder layer, every expert counted (what ZeRO-3 gathers at once)
+    layer_windows: tuple = ()  # per layer: its sliding window or None (full); () for all full
+    sinks: bool = False  # attention sinks: a learned logit per head in each softmax (gpt-oss)
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -94,6 +118,8 @@ class ModelShape:
             tied_head=bool(getattr(config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
             layer_matmul_params=layer_params, attention_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
             model_type=getattr(cfg, "model_type", "") or "", layer_params=largest_layer,
+            layer_windows=layer_windows(cfg) if any(layer_windows(cfg)) else (),
+            sinks=getattr(cfg, "model_type", "") == "gpt_oss",
         )
 
     @property
@@ -116,6 +142,11 @@ class ModelShape:
         """The LM head's e x v weights (a matmul on every position, tied or not)."""
         return self.hidden * self.vocab
 
+    def attention_pairs(self, seq: int) -> float:
+        """(query, key) pairs of one head summed over the layers: a window costs s w, full attention s^2 / 2."""
+        windows = self.layer_windows or (None,) * self.layers
+        return sum(window_pairs(seq, w) for w in windows)
+
     def local_heads(self, sp_size: int) -> int:
         """h_local: query heads one rank runs during attention."""
         return self.heads // sp_size
@@ -125,4 +156,4 @@ class ModelShape:
         return max(self.kv_heads, sp_size) // sp_size
 
 
-__all__ = ["ModelShape", "text_config"]
+__all__ = ["ModelShape", "layer_windows", "text_config", "window_pairs"]

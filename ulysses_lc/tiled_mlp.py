@@ -130,7 +130,19 @@ class TiledMLP(nn.Module):
         if num_tiles <= 1:
             return self.mlp(x_bse)
         params = [p for p in self.mlp.parameters() if p.requires_grad]
-        return TiledMLPFunction.apply(self.mlp, x_bse, num_tiles, *params)
+        returns_tuple = []
+
+        def mlp(x_bce):
+            # gpt-oss's MoE block returns (hidden, router scores); its decoder layer drops the scores (the router
+            # logits reach an auxiliary loss only through output_router_logits, refused at install).
+            y = self.mlp(x_bce)
+            if isinstance(y, tuple):
+                returns_tuple.append(True)
+                return y[0]
+            return y
+
+        y_bse = TiledMLPFunction.apply(mlp, x_bse, num_tiles, *params)
+        return (y_bse, None) if returns_tuple else y_bse
 
     def extra_repr(self) -> str:
         return f"intermediate_size={self.intermediate_size}, num_tiles={self.num_tiles or 'auto'}"
@@ -163,6 +175,8 @@ def _mlp_width(mlp: nn.Module, config) -> int:
         return width
     experts_per_token = getattr(config, "num_experts_per_tok", None)
     expert_width = getattr(config, "moe_intermediate_size", None)
+    if experts_per_token and expert_width is None and getattr(config, "num_local_experts", None):
+        expert_width = config.intermediate_size  # gpt-oss: each expert is intermediate_size wide
     if experts_per_token and expert_width:
         return experts_per_token * expert_width + (getattr(config, "shared_expert_intermediate_size", 0) or 0)
     return config.intermediate_size

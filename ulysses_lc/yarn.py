@@ -14,6 +14,12 @@ Trained length: `max_position_embeddings` for an unscaled model; for a config th
 carries scaling (yarn, llama3, longrope, ...), its `original_max_position_embeddings`, since
 max_position_embeddings is then already the scaled length.
 
+Per-layer-type RoPE (Gemma 3: a local base for its sliding-window layers, a global one for its full layers):
+only the full-attention layers' entry is rescaled. A sliding layer only ever sees keys within its window, so its
+relative positions stay inside what it was trained on at any length. A global entry that is already "linear"
+(Gemma 3's own long-context recipe) keeps that form with its factor raised to cover the target, as the family was
+stretched, rather than being replaced by YaRN.
+
 max_position_embeddings becomes the target length. transformers checks that
 max_position_embeddings / original_max_position_embeddings equals `factor` and warns
 otherwise, so with an explicit factor we raise it to trained * factor when that is larger.
@@ -37,18 +43,25 @@ def _log_once(level: int, message: str) -> None:
     logger.log(level, message)
 
 
+def _per_layer_type(config) -> bool:
+    params = getattr(config, "rope_parameters", None) or {}
+    return any(isinstance(value, dict) for value in params.values())
+
+
 def _rope_parameters(config) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
+    if _per_layer_type(config):
+        if not isinstance(params.get("full_attention"), dict):
+            raise ValueError(
+                f"{type(config).__name__} has per-layer-type RoPE parameters ({sorted(params)}) but none for "
+                "'full_attention', the layers YaRN rescales; edit config.rope_parameters by hand."
+            )
+        params = params["full_attention"]
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError(
             f"{type(config).__name__} has no RoPE parameters (rope_parameters / rope_theta), so YaRN cannot "
             "rescale its positions. Use a RoPE model (Llama, Qwen3, ...) or train within its trained length."
-        )
-    if any(isinstance(value, dict) for value in params.values()):
-        raise ValueError(
-            f"{type(config).__name__} has per-layer-type RoPE parameters ({sorted(params)}); YaRN rescaling of "
-            "such models is not supported here. Edit config.rope_parameters for each layer type by hand."
         )
     return {**params, "rope_theta": theta}
 
@@ -89,6 +102,9 @@ def _plan(config, target_length: int, factor: float | None) -> tuple[dict, int] 
                 f"positions past that are extrapolated. factor={needed:g} would cover the target.",
             )
     factor = float(factor)
+    if _per_layer_type(config) and params.get("rope_type") == "linear":
+        linear = {**params, "factor": params.get("factor", 1.0) * factor}
+        return linear, max(target_length, math.ceil(trained * factor))
     yarn = {
         "rope_type": "yarn",
         "rope_theta": params["rope_theta"],
@@ -113,11 +129,27 @@ def yarn_rope_parameters(config, target_length: int, factor: float | None = None
 
 
 def apply_yarn(config, target_length: int, factor: float | None = None):
-    """Set YaRN `rope_parameters` and `max_position_embeddings` on `config` (in place) and return it."""
+    """Set YaRN `rope_parameters` and `max_position_embeddings` on `config` (in place) and return it; with
+    per-layer-type parameters, those of the full-attention layers (module docstring)."""
     plan = _plan(config, target_length, factor)
     if plan is not None:
-        config.rope_parameters, config.max_position_embeddings = plan
+        params, config.max_position_embeddings = plan
+        if _per_layer_type(config):
+            params = {**config.rope_parameters, "full_attention": params}
+        config.rope_parameters = params
     return config
+
+
+def describe_rope_scaling(config) -> str:
+    """One phrase for a log: the config's RoPE scaling (the full-attention layers' where it is per layer type)."""
+    params, where = getattr(config, "rope_parameters", None) or {}, ""
+    if _per_layer_type(config):
+        params, where = params.get("full_attention") or {}, " on the full-attention layers"
+    if params.get("rope_type") == "yarn":
+        return f"YaRN factor {params['factor']:g}{where}"
+    if params.get("rope_type") == "linear":
+        return f"linear RoPE factor {params['factor']:g}{where}"
+    return "no YaRN (within the trained length)"
 
 
 def load_model_for_length(name_or_path: str, target_length: int, factor: float | None = None, **from_pretrained_kwargs):
@@ -136,4 +168,4 @@ def load_model_for_length(name_or_path: str, target_length: int, factor: float |
     return AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
 
 
-__all__ = ["apply_yarn", "load_model_for_length", "trained_length", "yarn_rope_parameters"]
+__all__ = ["apply_yarn", "describe_rope_scaling", "load_model_for_length", "trained_length", "yarn_rope_parameters"]

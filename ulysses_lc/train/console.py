@@ -8,6 +8,7 @@ import warnings
 
 from ..metrics import StepLogger
 from ..sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
+from ..yarn import describe_rope_scaling
 
 
 def quiet_warnings(rank: int | None = None) -> None:
@@ -71,8 +72,7 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
                   limits_line: str | None = None) -> str:
     """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory,
     and against `limits_line`'s limits (estimate.fit) whether the plan fits."""
-    rope = getattr(checked.model_config, "rope_parameters", None) or {}
-    yarn = f"YaRN factor {rope['factor']:g}" if rope.get("rope_type") == "yarn" else "no YaRN (within the trained length)"
+    yarn = describe_rope_scaling(checked.model_config)
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
     m = estimate.memory

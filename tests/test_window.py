@@ -1,0 +1,152 @@
+"""Sliding-window and sink layers, one process: the band kernel against a dense-mask softmax, and the levers
+these families need (soft-capped chunked loss, Gemma / gpt-oss RMSNorm, per-layer-type RoPE, window FLOPs, the
+model check). The multi-rank parity against transformers is test_window_parity.py.
+Tolerances: fp64 kernels 1e-12 absolute; the fp32 loss head 1e-5 relative (test_chunked_loss's).
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, GptOssConfig, Llama4TextConfig, MistralConfig, Qwen3_5TextConfig
+
+from tests.models import WINDOW_FAMILIES, build, tiny_config
+from ulysses_lc import check_model_for_ulysses, install_efficient_rmsnorm
+from ulysses_lc.chunked_loss import chunked_cross_entropy
+from ulysses_lc.kernels import document_attention
+from ulysses_lc.metrics import model_flops_per_step
+from ulysses_lc.shape import ModelShape
+from ulysses_lc.window_attention import window_attention
+from ulysses_lc.yarn import apply_yarn
+
+
+def dense_reference(q, k, v, scale, window, sinks=None, bounds=None):
+    """Softmax over an explicit mask: key j <= query i, j > i - window, same document; sinks as one more column."""
+    b, h, s, _ = q.shape
+    k, v = (x.repeat_interleave(h // x.shape[1], 1) for x in (k, v))
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+    allowed = (j <= i) & (j > i - (window or s))
+    if bounds is not None:
+        doc = torch.bucketize(torch.arange(s), torch.tensor(bounds[1:-1]), right=True)
+        allowed &= doc[:, None] == doc[None]
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, s, 1)], -1)
+    return scores.softmax(-1)[..., :s] @ v
+
+
+def _inputs(b, h, h_kv, s, d, sinks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    return make(b, h, s, d), make(b, h_kv, s, d), make(b, h_kv, s, d), (make(h) if sinks else None)
+
+
+def _grads(out, inputs, seed=1):
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    leaves = [x for x in inputs if x is not None]
+    return torch.autograd.grad(out, leaves, grad_out)
+
+
+# (batch, heads, kv heads, tokens, window, sinks): a window that divides the length and one that does not (padded
+# chunks), GQA, a batch of two, a window of one token, a window as long as the sequence, and sinks without a window.
+CASES = [(1, 4, 2, 37, 5, False), (1, 4, 2, 37, 5, True), (2, 4, 4, 24, 6, True), (1, 2, 1, 9, 1, False),
+         (1, 2, 2, 16, 16, True), (1, 2, 1, 16, None, True), (1, 2, 2, 30, 7, True)]
+
+
+@pytest.mark.parametrize("b,h,h_kv,s,window,sinks", CASES)
+def test_band_equals_dense_softmax(b, h, h_kv, s, window, sinks):
+    q, k, v, sink = _inputs(b, h, h_kv, s, 8, sinks)
+    out = window_attention(q, k, v, 0.3, window, sink, kernel="sdpa")
+    ref = dense_reference(q, k, v, 0.3, window, sink)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for got, want in zip(_grads(out, (q, k, v, sink)), _grads(ref, (q, k, v, sink))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    if window is not None and window < s:  # the comparison can fail: one key more or less changes the output
+        for wrong in (window - 1, window + 1):
+            if wrong >= 1:
+                assert (dense_reference(q, k, v, 0.3, wrong, sink) - out).abs().max() > 1e-3
+
+
+def test_documents_restart_the_window_and_sinks():
+    q, k, v, sink = _inputs(1, 4, 2, 40, 8, True, seed=3)
+    bounds = [0, 13, 20, 27, 40]  # documents of 13, 7, 7, 13 tokens: two runs of equal lengths batched
+    out = document_attention(q, k, v, bounds, 0.3, "sdpa", window=5, sinks_h=sink)
+    ref = dense_reference(q, k, v, 0.3, 5, sink, bounds)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for got, want in zip(_grads(out, (q, k, v, sink)), _grads(ref, (q, k, v, sink))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert (dense_reference(q, k, v, 0.3, 5, sink) - out).abs().max() > 1e-3  # the borders matter
+
+
+def test_flash_window_is_cuda_only():
+    q, k, v, _ = _inputs(1, 2, 2, 8, 8, False)
+    with pytest.raises(ValueError, match="how='band' on CPU"):
+        window_attention(q, k, v, 0.3, 4, how="flash_window")
+
+
+def test_soft_capped_chunked_loss_equals_capped_logits():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (23,), generator=g)
+    labels[:4] = -100
+    loss_sum, n_valid = chunked_cross_entropy(hidden, weight, labels, chunk_rows=5, softcap=3.0)
+    logits = torch.tanh(hidden @ weight.T / 3.0) * 3.0
+    ref = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    assert int(n_valid) == 19 and abs(loss_sum.item() - ref.item()) <= 1e-5 * ref.item()
+    for got, want in zip(torch.autograd.grad(loss_sum, (hidden, weight)), torch.autograd.grad(ref, (hidden, weight))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    uncapped = torch.nn.functional.cross_entropy(hidden @ weight.T, labels, reduction="sum")
+    assert abs(uncapped.item() - loss_sum.item()) > 1.0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_rmsnorm_forms_match_transformers(family):
+    model = build(family)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    for norm in norms:
+        torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 7, norms[0].weight.shape[0], dtype=torch.bfloat16, requires_grad=True)
+    norm = norms[0].to(torch.bfloat16)
+    want = norm(x)
+    handle = install_efficient_rmsnorm(model)
+    assert all("forward" in n.__dict__ for n in norms)  # every norm of the model, q/k norms included
+    got = norm(x)
+    assert torch.equal(got, want)  # the forward bit for bit
+    handle.undo()
+
+
+def test_rope_per_layer_type_rescales_the_global_layers_only():
+    config = apply_yarn(tiny_config("gemma3"), 1024)  # trained length 256
+    assert config.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert config.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert config.rope_parameters["full_attention"]["factor"] == 4.0 and config.max_position_embeddings == 1024
+    linear = Gemma3TextConfig(num_hidden_layers=2, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    apply_yarn(linear, 262144)  # Gemma 3's linear global scaling stays linear, stretched 2x further
+    assert linear.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 16.0, "rope_theta": 1e6}
+
+
+def test_window_flops_and_layer_windows():
+    shapes = {f: ModelShape.from_config(tiny_config(f, sliding_window=64)) for f in WINDOW_FAMILIES}
+    assert shapes["mistral"].layer_windows == (64, 64)
+    assert shapes["gemma3"].layer_windows == shapes["gpt_oss"].layer_windows == (64, None)
+    assert shapes["gpt_oss"].sinks and not shapes["gemma3"].sinks
+    s, hd = 4096, 4 * 8  # heads x head_dim
+    got = model_flops_per_step(shapes["gemma3"], s).attention
+    # forward 4 hd pairs per layer, fwd + bwd 3x: a window costs s w - w^2 / 2 pairs, a full layer s^2 / 2
+    assert got == pytest.approx(3 * 4 * hd * ((s * 64 - 64 ** 2 / 2) + s * s / 2))
+    assert model_flops_per_step(ModelShape.from_config(tiny_config("qwen3")), s).attention == pytest.approx(
+        3 * 2 * s * s * hd * 2)
+
+
+def test_model_check_accepts_window_families_and_names_what_it_refuses():
+    for config in (MistralConfig(num_hidden_layers=2, sliding_window=16), Gemma3TextConfig(num_hidden_layers=2),
+                   GptOssConfig(num_hidden_layers=2), tiny_config("qwen3", use_sliding_window=True, sliding_window=16,
+                                                                   max_window_layers=0)):
+        check_model_for_ulysses(config, sp_size=2)
+    with pytest.raises(ValueError, match=r"\['chunked_attention'\].*or sp_size=1"):
+        check_model_for_ulysses(Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8192), sp_size=2)
+    with pytest.raises(ValueError, match=r"\['linear_attention'\]"):
+        check_model_for_ulysses(Qwen3_5TextConfig(num_hidden_layers=4), sp_size=2)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=False"):
+        check_model_for_ulysses(Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True), sp_size=2)

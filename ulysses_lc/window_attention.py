@@ -1,0 +1,329 @@
+"""Sliding-window causal attention and attention sinks over a whole sequence in global order, on one rank's heads.
+
+Legend: shape.py; w the window: the query at position i sees the keys i - w < j <= i (transformers' sliding-window
+mask, `masking_utils.sliding_window_overlay`); n chunks of c = min(w, s) positions, the sequence padded to n * c.
+Same inputs as kernels.py (q [b, h_local, s, d], k, v [b, h_kv_local, s, d] after the Ulysses exchange); communicates
+nothing. After the exchange a rank holds the whole sequence for its heads, so a window and a sink, both per head and
+along the sequence, are computed here locally and exactly, whatever sp is (ring attention cannot: its ranks never
+hold a query's whole window in one place).
+
+The band as two causal calls. Query chunk m sees key chunk m up to itself (a causal block) and the keys of chunk
+m - 1 after its own offset (j' > i': the strictly upper triangle). Reversing both chunks turns that triangle into a
+causal block too (j'' < i'', rows c - 1 and keys 0 dropped), so the band is two batched calls of a causal kernel,
+each over n chunks of c: the FLOPs the window needs, through the explicit forward and backward ops of
+explicit_attention.py (cuDNN first on Hopper, the CPU flash kernel on CPU). The two outputs merge by their log-sum-
+exps. The backward runs each call's backward op with the *merged* output and log-sum-exp: its dS = P (dP - delta)
+then uses the whole row's softmax P and delta = rowsum(dout * out), which is the exact gradient of the whole.
+
+Sinks (gpt-oss's `module.sinks`): one learned logit per head in every row's softmax denominator, with no value:
+out = O exp(L - L'), L' = logaddexp(L, sink). The backward above with L' in place of L is exact for q, k, v (the
+sink is one more column of P, with value 0), and d sink = -sum_i exp(sink - L'_i) delta_i.
+
+`how="flash_window"`: one call of torch's FLASH kernel with its own window (aten._flash_attention_forward,
+window_size_left = w - 1; documents as its cu_seqlens), the same merge-free sink and backward; CUDA only.
+
+Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-01; fwd+bwd
+TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads): flash_window 0.14 / 0.41 / 0.55
+and the band over cuDNN 0.06 / 0.28 / 0.66 at windows of 128 (gpt-oss-20b heads, 64 x 64) / 1024 (Gemma 3 27B,
+32 x 128) / 4096 (Mistral 7B, 32 x 128). So flash_window below BAND_MIN_WINDOW (2048, between the two measured
+points), the band from there and for sink layers without a window (one cuDNN causal call); either falls back to
+the other where its kernel refuses the shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .explicit_attention import causal_ops, explicit_backends
+
+logger = logging.getLogger(__name__)
+
+WINDOW_HOWS = ("auto", "band", "flash_window")
+BAND_MIN_WINDOW = 2048  # CUDA: the band from this window up, flash_window below (module docstring)
+_MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
+_REFUSED: set = set()
+
+
+def band_bytes_per_token(shape) -> int:
+    """Device bytes per local token the band holds besides the causal kernel's own, in one layer's forward or
+    backward: the reversed copies of q, k, v (and of out, dout in backward) for the second call, and its output
+    and gradients before they are added in (bf16: 2 (3 q + 3 kv)); a `shape.ModelShape`'s widths."""
+    return 2 * (3 * shape.q_width + 3 * shape.kv_width)
+
+
+def resolve_how(how: str, device: torch.device, window: int | None = None) -> str:
+    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA flash_window for a window
+    under BAND_MIN_WINDOW, else the band (module docstring)."""
+    if how not in WINDOW_HOWS:
+        raise ValueError(f"how={how!r}: pick one of {WINDOW_HOWS}.")
+    if how == "auto":
+        if device.type != "cuda":
+            return "band"
+        return "flash_window" if window is not None and window < BAND_MIN_WINDOW else "band"
+    if how == "flash_window" and device.type != "cuda":
+        raise ValueError("how='flash_window' runs torch's CUDA FLASH kernel; use how='band' on CPU.")
+    return how
+
+
+# ---- layouts of the band: [b, H, n c, d] <-> n chunks along the batch ----
+
+def _pad(x: torch.Tensor, s_pad: int, dim: int = 2) -> torch.Tensor:
+    if x.shape[dim] == s_pad:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, s_pad - x.shape[dim]]
+    return F.pad(x, pad)
+
+
+def _chunks(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[b, H, n c, ...] -> [b, n, H, c, ...] (a view)."""
+    return x.unflatten(2, (n, -1)).transpose(1, 2)
+
+
+def _diag(x5: torch.Tensor) -> torch.Tensor:
+    """The causal call's operand: every chunk, [b n, H, c, ...] (a view for b = 1)."""
+    return x5.flatten(0, 1)
+
+
+def _edge_rows(x5: torch.Tensor) -> torch.Tensor:
+    """The second call's query-side operand: rows 0 .. c-2 of chunks 1 .. n-1, reversed (a copy)."""
+    return x5[:, 1:, :, :-1].flip(3).flatten(0, 1)
+
+
+def _edge_keys(x5: torch.Tensor) -> torch.Tensor:
+    """The second call's key-side operand: keys 1 .. c-1 of chunks 0 .. n-2, reversed (a copy)."""
+    return x5[:, :-1, :, 1:].flip(3).flatten(0, 1)
+
+
+def _unedge(y: torch.Tensor, b: int) -> torch.Tensor:
+    """A second-call result [b (n-1), H, c-1, ...] back in chunk order, [b, n-1, H, c-1, ...] (a view)."""
+    return y.unflatten(0, (b, -1)).flip(3)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 rowsum(a * b) over the last dim, [..., d] -> [...], in slices of _MERGE_BYTES."""
+    a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    acc = torch.promote_types(a.dtype, torch.float32)
+    out = torch.empty(a2.shape[0], dtype=acc, device=a.device)
+    step = max(1, _MERGE_BYTES // (8 * a.shape[-1]))
+    for i in range(0, a2.shape[0], step):
+        out[i:i + step] = (a2[i:i + step].to(acc) * b2[i:i + step].to(acc)).sum(-1)
+    return out.view(a.shape[:-1])
+
+
+def _with_sinks(lse_bhs: torch.Tensor, sinks_h: torch.Tensor | None) -> torch.Tensor:
+    if sinks_h is None:
+        return lse_bhs
+    return torch.logaddexp(lse_bhs, sinks_h.detach().to(lse_bhs.dtype).view(1, -1, 1))
+
+
+def _sink_grad(dout, out, lse_final, sinks_h):
+    """d sink_h = -sum over rows of exp(sink_h - L') rowsum(dout * out)."""
+    delta = _row_dot(dout, out).to(lse_final.dtype)
+    p_sink = torch.exp(sinks_h.detach().to(lse_final.dtype).view(1, -1, 1) - lse_final)
+    return -(p_sink * delta).sum((0, 2)).to(sinks_h.dtype)
+
+
+# ---- the band through an explicit causal backend ----
+
+def _as_layout(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """x with ref's strides (the backward ops read q, out and dout alike)."""
+    return x if x.stride() == ref.stride() else torch.empty_like(ref).copy_(x)
+
+
+def _band_forward(q, k, v, scale, c, backend):
+    """(out [b, H, s, d], lse [b, H, s] fp32 before sinks, aux) of windowed causal attention with chunks of c."""
+    fwd = causal_ops(backend)[0]
+    b, H, s, d = q.shape
+    n = -(-s // c)
+    if n == 1:  # the window holds the sequence (or no window: a sink layer): one causal call
+        out, lse, aux = fwd(q, k, v, scale)
+        return out, lse.reshape(b, H, s).to(torch.promote_types(lse.dtype, torch.float32)), ((lse.dim(), lse.dtype),
+                                                                                              aux)
+    q5, k5, v5 = (_chunks(_pad(x, n * c), n) for x in (q, k, v))
+    out_d, lse_d, aux_d = fwd(_diag(q5), _diag(k5), _diag(v5), scale)
+    aux = ((lse_d.dim(), lse_d.dtype), aux_d)
+    acc = torch.promote_types(lse_d.dtype, torch.float32)
+    out = q.new_empty(b, H, n * c, d)
+    out5, lse5 = _chunks(out, n), lse_d.reshape(b * n, H, c).unflatten(0, (b, n)).to(acc)
+    out5.copy_(out_d.unflatten(0, (b, n)))
+    del out_d
+    if n > 1 and c > 1:
+        out_e, lse_e, aux_e = fwd(_edge_rows(q5), _edge_keys(k5), _edge_keys(v5), scale)
+        aux += (aux_e,)
+        out_e5, lse_e5 = _unedge(out_e, b), _unedge(lse_e.reshape(b * (n - 1), H, c - 1).to(acc), b)
+        step = max(1, _MERGE_BYTES // (8 * H * c * d * b))
+        for m in range(0, n - 1, step):  # rows 0 .. c-2 of chunks 1 .. n-1 hold both calls
+            rows = (slice(None), slice(1 + m, 1 + m + step), slice(None), slice(None, -1))
+            l_d, l_e = lse5[rows], lse_e5[:, m:m + step]
+            l_both = torch.logaddexp(l_d, l_e)
+            merged = (out5[rows].to(acc) * torch.exp(l_d - l_both).unsqueeze(-1)
+                      + out_e5[:, m:m + step].to(acc) * torch.exp(l_e - l_both).unsqueeze(-1))
+            out5[rows].copy_(merged)
+            lse5[rows] = l_both
+        del out_e, out_e5
+    lse = lse5.transpose(1, 2).reshape(b, H, n * c)
+    return out[:, :, :s], lse[:, :, :s].contiguous(), aux
+
+
+def _band_backward(dout, q, k, v, out, lse_final, aux, scale, c, backend):
+    """(dq, dk, dv) of the band, each call's backward op given the final out and log-sum-exp (module docstring)."""
+    bwd = causal_ops(backend)[1]
+    b, H, s, d = q.shape
+    n = -(-s // c)
+    q5, k5, v5, dout5, out5 = (_chunks(_pad(x, n * c), n) for x in (q, k, v, dout, out))
+    lse5 = _pad(lse_final, n * c).view(b, H, n, c).transpose(1, 2)  # [b, n, H, c]
+    lse_nd, lse_dtype = aux[0]
+
+    def lse_arg(lse):  # the backend's own log-sum-exp: [B, H, L] or (cuDNN) [B, H, L, 1], its dtype
+        lse = lse.to(lse_dtype).contiguous()
+        return lse.unsqueeze(-1) if lse_nd == 4 else lse
+
+    if n == 1:
+        return bwd(_as_layout(dout, q), q, k, v, _as_layout(out, q), lse_arg(lse_final), aux[1], scale)
+    q_d = _diag(q5)
+    grads = bwd(_as_layout(_diag(dout5), q_d), q_d, _diag(k5), _diag(v5), _as_layout(_diag(out5), q_d),
+                lse_arg(_diag(lse5)), aux[1], scale)
+    dq, dk, dv = (x.new_empty(b, x.shape[1], n * c, d) for x in (q, k, v))
+    for full, g in zip((dq, dk, dv), grads):
+        _chunks(full, n).copy_(g.unflatten(0, (b, n)))
+    del grads
+    if len(aux) > 2:
+        edge = bwd(_edge_rows(dout5), _edge_rows(q5), _edge_keys(k5), _edge_keys(v5), _edge_rows(out5),
+                   lse_arg(_edge_rows(lse5)), aux[2], scale)
+        _chunks(dq, n)[:, 1:, :, :-1] += _unedge(edge[0], b)
+        _chunks(dk, n)[:, :-1, :, 1:] += _unedge(edge[1], b)
+        _chunks(dv, n)[:, :-1, :, 1:] += _unedge(edge[2], b)
+    return dq[:, :, :s], dk[:, :, :s], dv[:, :, :s]
+
+
+def _apply_sinks(out, lse, lse_final):
+    """out *= exp(L - L') in place, in fp32 slices along the sequence."""
+    step = max(1, _MERGE_BYTES // (4 * out.shape[0] * out.shape[1] * out.shape[3]))
+    for i in range(0, out.shape[2], step):
+        scale = torch.exp(lse[:, :, i:i + step] - lse_final[:, :, i:i + step]).unsqueeze(-1)
+        out[:, :, i:i + step].copy_(out[:, :, i:i + step].to(scale.dtype) * scale)
+    return out
+
+
+# ---- one call of torch's FLASH kernel with its own window (documents as cu_seqlens) ----
+
+def _flash_cu(b, s, bounds, device):
+    starts = bounds if bounds is not None else (0, s)
+    cu = [i * s + x for i in range(b) for x in starts[:-1]] + [b * s]
+    longest = max(y - x for x, y in zip(starts[:-1], starts[1:]))
+    return torch.tensor(cu, dtype=torch.int32, device=device), longest
+
+
+def _thd(x):  # [b, H, s, d] -> [b s, H, d]
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _flash_window_forward(q, k, v, scale, window, bounds):
+    b, H, s, d = q.shape
+    cu, longest = _flash_cu(b, s, bounds, q.device)
+    left = -1 if window is None else window - 1
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        _thd(q), _thd(k), _thd(v), cu, cu, longest, longest, 0.0, True, False, scale=scale,
+        window_size_left=left, window_size_right=0)
+    out_bhsd = out.view(b, s, H, d).transpose(1, 2)
+    return out_bhsd, lse.view(H, b, s).transpose(0, 1).float(), (cu, longest, rng, unused, left, lse.dtype)
+
+
+def _flash_window_backward(dout, q, k, v, out, lse_final, aux, scale):
+    b, H, s, d = q.shape
+    cu, longest, rng, unused, left, lse_dtype = aux
+    lse = lse_final.transpose(0, 1).reshape(H, b * s).to(lse_dtype).contiguous()
+    grads = torch.ops.aten._flash_attention_backward(
+        _thd(dout).contiguous(), _thd(q), _thd(k), _thd(v), _thd(out), lse, cu, cu, longest, longest, 0.0, True, rng,
+        unused, scale=scale, window_size_left=left, window_size_right=0)
+    return tuple(g.view(b, s, -1, d).transpose(1, 2) for g in grads)
+
+
+class WindowAttention(torch.autograd.Function):
+    """Windowed causal attention with optional sinks through `how` ("band": an explicit causal `backend`;
+    "flash_window"). kept None: run the forward and append (out, lse, aux) to `sink_list`; kept = (out, lse, aux):
+    return them without running it (the checkpoint recompute, attention.py). Saves q, k, v, out and the final
+    log-sum-exp [b, h, s] fp32; communicates nothing. Backward: the kernels' backward ops (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, scale, window, how, backend, bounds, kept, sink_list):
+        s = q.shape[2]
+        c = s if window is None else min(window, s)
+        if kept is not None:
+            out, lse_final, aux = kept
+            out = out.detach()
+        else:
+            if how == "flash_window":
+                out, lse, aux = _flash_window_forward(q, k, v, scale, window, bounds)
+            else:
+                out, lse, aux = _band_forward(q, k, v, scale, c, backend)
+            lse_final = _with_sinks(lse, sinks)
+            if sinks is not None:
+                out = _apply_sinks(out, lse, lse_final)
+            if sink_list is not None:
+                sink_list.append((out.detach(), lse_final, aux))
+        ctx.save_for_backward(q, k, v, out, lse_final, sinks)
+        ctx.scale, ctx.c, ctx.how, ctx.backend, ctx.aux = scale, c, how, backend, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse_final, sinks = ctx.saved_tensors
+        if ctx.how == "flash_window":
+            dq, dk, dv = _flash_window_backward(dout, q, k, v, out, lse_final, ctx.aux, ctx.scale)
+        else:
+            dq, dk, dv = _band_backward(dout, q, k, v, out, lse_final, ctx.aux, ctx.scale, ctx.c, ctx.backend)
+        dsinks = _sink_grad(dout, out, lse_final, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+
+
+def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None, sinks_h=None, kernel: str = "auto",
+                     how: str = "auto", bounds=None, sink_list: list | None = None, kept=None):
+    """Causal attention over the last `window` keys of each query (None: all of them), with a learned logit per head
+    in the softmax denominator when `sinks_h` [h_local] is given; returns [b, h, s, d].
+
+    kernel: the layer's kernel setting; the band runs through the explicit SDPA backends of "auto" unless it
+        names one ("cudnn", "sdpa"). how: "band", "flash_window" (CUDA), "auto" (resolve_how; on CUDA the other
+        one is tried where the first refuses the shape).
+    bounds: packed documents [0, ..., s] (how="flash_window" only: one varlen call; kernels.document_attention
+        runs the band per document). sink_list / kept: the kept-output handshake (attention.kept_output_attention).
+    """
+    scale = scaling if scaling is not None else q_bhsd.shape[-1] ** -0.5
+    if kept is not None:
+        how, backend, kept_tensors = kept
+        return WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, how, backend, bounds,
+                                     kept_tensors, None)
+    chosen = resolve_how(how, q_bhsd.device, window)
+    if bounds is not None and chosen != "flash_window":
+        raise ValueError("bounds need how='flash_window'; kernels.document_attention runs the band per document.")
+    band = [("band", b) for b in explicit_backends(q_bhsd, kernel if kernel in ("cudnn", "sdpa") else "auto")]
+    tries = [("flash_window", "flash")] if chosen == "flash_window" else band
+    if how == "auto" and q_bhsd.is_cuda and bounds is None:
+        tries += band if chosen == "flash_window" else [("flash_window", "flash")]
+    for impl, backend in tries:
+        key = (impl, backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
+        if key in _REFUSED:
+            continue
+        got = []
+        try:
+            out = WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, impl, backend, bounds, None,
+                                        got)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            _REFUSED.add(key)
+            logger.warning("window attention: %s/%s refused %s (%s); trying the next one", impl, backend,
+                           tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
+            continue
+        if sink_list is not None:
+            sink_list.append((impl, backend, got[0]))
+        return out
+    raise ValueError(f"no kernel takes windowed attention of {tuple(q_bhsd.shape)} {q_bhsd.dtype} on "
+                     f"{q_bhsd.device} (how={how!r}); on CUDA use bf16/fp16 and head_dim <= 256.")
+
+
+__all__ = ["BAND_MIN_WINDOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "resolve_how",
+           "window_attention"]
