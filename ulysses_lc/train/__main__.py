@@ -1,5 +1,5 @@
 """`torchrun --nproc_per_node N -m ulysses_lc.train [flags]`: the main job from any folder, no checkout needed."""
 
-from .launch import main
+from .cli import main
 
 main()
