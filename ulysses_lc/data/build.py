@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 
 from .cache import CACHE_FORMAT_VERSION, CachePaths, build_or_reuse, default_cache_dir, digest, read_cache, wait_for
+from .content import ContentChain, row_bytes, text_bytes, token_chain
 from .packing import LONG_SAMPLES, pack, refuse_if_long
 from .samples import chat_template_digest, detect_format, iter_samples, render, resolve_loss_on
-from .sources import Source, folder_files, iter_documents, iter_rows, load_pretokenized, parse_source, source_identity
+from .sources import (Source, folder_files, iter_documents, iter_rows, load_pretokenized, parse_source, source_identity,
+                      source_stat)
 from .stream import TokenStream, WindowDocuments
 from .tokenize import DEFAULT_CHUNK_CHARS, TOKEN_DTYPE, pad_token_id, tokenize_documents, tokenizer_fingerprint
 
@@ -76,7 +78,9 @@ def build_token_stream(
         tokens = load_pretokenized(src, bin_dtype, tokenizer, seq_len)
         identity = source_identity(src, bin_dtype=bin_dtype)
         stream_id = digest({"source": identity})
-        stream = TokenStream(tokens[:want], seq_len, stream_id=stream_id)
+        used = tokens[:want]
+        # Hashed only when a checkpoint is written or resumed (reading every id the run uses).
+        stream = TokenStream(used, seq_len, stream_id=stream_id, content=lambda: token_chain(used))
         _warn_if_short(stream, want)
         return stream
 
@@ -100,6 +104,7 @@ def build_token_stream(
         **stream_fields,
         "num_tokens": want,
         "chunk_chars": chunk_chars,  # borders can change tokens for tokenizers where chunking is inexact
+        "stat": source_stat(src),  # a file written since the build misses the cache (its ctime moved)
     }
     key = f"{src.kind}-{want}-{digest(key_fields)}"
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -117,7 +122,7 @@ def build_token_stream(
         hit = True
         wait_for(paths, wait_timeout_s, poll_s)
 
-    arrays, _ = read_cache(paths)
+    arrays, meta = read_cache(paths)
     tokens = arrays["tokens"]
     if len(tokens) < seq_len:
         raise ValueError(
@@ -128,7 +133,7 @@ def build_token_stream(
     if "doc_lengths" in arrays:
         documents = WindowDocuments(arrays["doc_lengths"], arrays["doc_starts"], arrays["padding"])
     stream = TokenStream(tokens, seq_len, stream_id=stream_id, cache_hit=hit, cache_path=paths.tokens,
-                         mask=arrays.get("mask"), documents=documents)
+                         mask=arrays.get("mask"), documents=documents, content=meta["content"])
     _warn_if_short(stream, want)
     return stream
 
@@ -213,7 +218,8 @@ def _format_of(src: Source, first: list[dict], text_column: str | None) -> tuple
 def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_chars, progress):
     from tqdm.auto import tqdm
 
-    rows = iter_rows(src)
+    read = ContentChain()
+    rows = read.wrap(iter_rows(src), row_bytes)
     first = list(islice(rows, 1))
     fmt, columns = _format_of(src, first, settings["text_column"])
     loss_on = resolve_loss_on(settings["loss_on"], fmt)
@@ -224,7 +230,7 @@ def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_c
         # Plain text joined as always: the chunked tokenizer reads only the tokens the run needs.
         column = settings["text_column"] or "text"
         texts = (render(row, i, "text", tokenizer, column, with_spans=False)[0] for i, row in enumerate(rows))
-        arrays, text_stats = _tokenize_text(src, tokenizer, want, chunk_chars, progress, documents=texts)
+        arrays, text_stats = _tokenize_text(src, tokenizer, want, chunk_chars, progress, documents=texts, read=read)
         return arrays, {**stats, **text_stats}
     samples = iter_samples(rows, tokenizer, fmt, loss_on, text_column=settings["text_column"])
     bar = tqdm(total=want, unit="tok", unit_scale=True, desc="tokenizing samples", disable=not progress)
@@ -242,6 +248,7 @@ def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_c
             stats["documents"] = arrays.pop("documents")
     finally:
         bar.close()
+    stats["content"] = read.finish()
     return arrays, stats
 
 
@@ -282,8 +289,12 @@ def _check_size_upper_bound(src: Source, seq_len: int) -> None:
         )
 
 
-def _tokenize_text(src: Source, tokenizer, want: int, chunk_chars: int, progress: bool, documents=None):
-    documents = iter_documents(src) if documents is None else documents
+def _tokenize_text(src: Source, tokenizer, want: int, chunk_chars: int, progress: bool, documents=None, read=None):
+    """documents and read: the rendered rows of a dataset and the chain that hashed them (None: the source's
+    documents, hashed here)."""
+    if documents is None:
+        read = ContentChain()
+        documents = read.wrap(iter_documents(src), text_bytes)
     tokens, stats = tokenize_documents(documents, tokenizer, want, chunk_chars=chunk_chars, progress=progress)
     if stats["chunking_exact_on_probe"] is False:
         warnings.warn(
@@ -292,4 +303,4 @@ def _tokenize_text(src: Source, tokenizer, want: int, chunk_chars: int, progress
             f"{chunk_chars:,}-character chunk border differ, which training tolerates",
             stacklevel=4,
         )
-    return {"tokens": tokens}, {"requested_tokens": want, **stats}
+    return {"tokens": tokens}, {"requested_tokens": want, **stats, "content": read.finish()}

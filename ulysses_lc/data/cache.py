@@ -17,7 +17,7 @@ import torch
 from .tokenize import TOKEN_DTYPE
 
 # Bump when the cache layout or the joining/chunking rules change, so old caches are not reused.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: the meta holds the content chain of what the build read (content.py)
 CACHE_DTYPE = TOKEN_DTYPE
 
 

@@ -115,8 +115,10 @@ def folder_files(folder: Path) -> list[Path]:
 
 
 def source_identity(src: Source, *, bin_dtype: str = "uint32") -> dict:
-    """What identifies the source's content for the cache key: path + size + mtime, or hub id + split
-    (+ config and revision for hub datasets)."""
+    """What names the source: path and file names, or hub id + split (+ config and revision for hub datasets).
+
+    Its content is identified by what the build reads (`content.ContentChain`), never by sizes or times: a file
+    edited in place keeps its size, and `cp -p`, `rsync -t` or `tar` restore its modification time."""
     if src.kind == "pg19":
         return {"kind": "pg19", "hub_id": src.location, "split": src.split}
     if src.kind == "hub":
@@ -126,15 +128,25 @@ def source_identity(src: Source, *, bin_dtype: str = "uint32") -> dict:
         from ..tiny import TINY_TEXT_VERSION
 
         return {"kind": "tiny", "version": TINY_TEXT_VERSION, "doc_chars": TINY_DOC_CHARS, "seed": src.seed}
-    files = [Path(f) for f in src.files] if src.kind == "files" else _local_files(src)
-    stats = [(f.as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    listing = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
-    identity = {"kind": src.kind, "path": src.location, "files": len(stats), "listing": listing}
+    files = [Path(f).as_posix() for f in (src.files if src.kind == "files" else _local_files(src))]
+    names = hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
+    identity = {"kind": src.kind, "path": src.location, "files": len(files), "names": names}
     if src.kind == "bin":
         identity["dtype"] = bin_dtype
     if src.kind == "files":
         identity["builder"] = src.builder
     return identity
+
+
+def source_stat(src: Source) -> str | None:
+    """A cheap fingerprint of the local files for the token cache's key: size, modification time and status change
+    time (ctime, which every write sets and no tool can set back), so a file edited in place misses the cache on
+    this machine; None for hub and generated sources."""
+    if src.kind in ("pg19", "hub", "tiny"):
+        return None
+    files = [Path(f) for f in src.files] if src.kind == "files" else _local_files(src)
+    stats = [(f.as_posix(), s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for f in files for s in [f.stat()]]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
 
 
 def _local_files(src: Source) -> list[Path]:

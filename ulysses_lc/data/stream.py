@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..constants import IGNORE_INDEX
+from .content import first_difference
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class TokenStream:
     step `k` (a new epoch over the data). A stream shorter than one window is refused at build time.
     mask: uint8 per token, 1 where the label is the token (None: every token is trained).
     documents: the packed windows' document lengths (None: not packed).
+    content: the chain of digests of what the stream was built from (`content.ContentChain`), or a callable that
+        computes it when first needed; a checkpoint keeps it and a resume compares (None: not known).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class TokenStream:
         cache_path=None,
         mask: np.ndarray | None = None,
         documents: WindowDocuments | None = None,
+        content=None,
     ):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
@@ -83,6 +87,13 @@ class TokenStream:
         assert documents is None or (len(documents.starts) - 1) * seq_len == len(tokens)
         self.mask = mask
         self.documents = documents
+        self._content = content
+
+    @property
+    def content(self) -> list | None:
+        if callable(self._content):
+            self._content = self._content()
+        return self._content
 
     @property
     def packed(self) -> bool:
@@ -131,7 +142,8 @@ class TokenStream:
         return window
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seq_len": self.seq_len, "stream_id": self.stream_id}
+        return {"position": self.position, "seq_len": self.seq_len, "stream_id": self.stream_id,
+                "content": self.content}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seq_len"] != self.seq_len:
@@ -145,4 +157,14 @@ class TokenStream:
                 "(another tokenizer, source or sample settings); resume with the same source and tokenizer "
                 "(and the same text_column, loss_on and packing settings)."
             )
+        saved = state.get("content")  # None: a checkpoint from before content chains
+        changed = None if saved is None or self.content is None else first_difference(saved, self.content)
+        if changed is not None:
+            block, first, items = changed
+            raise ValueError(
+                f"the data changed since the checkpoint was written: items {first:,}-{first + items - 1:,} of the "
+                f"source (documents, rows or blocks of token ids, in reading order; digest block {block}) read "
+                "differently now, whatever their sizes and modification times say. The checkpoint's data position "
+                "would point into other text: resume with the data the run trained on, or start a new run (another "
+                "--output-dir).")
         self.position = int(state["position"])
