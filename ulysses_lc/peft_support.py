@@ -96,7 +96,15 @@ def count_trainable_parameters(model_config, peft_config) -> tuple[int, int]:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = apply_peft(AutoModelForCausalLM.from_config(model_config), peft_config)
+        base = AutoModelForCausalLM.from_config(model_config)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)})
+    targets = getattr(peft_config, "target_modules", None)
+    missing = sorted(set(targets) - set(linear)) if isinstance(targets, (list, set, tuple)) else []
+    if missing:
+        raise ValueError(f"LoRA targets {missing} are not modules of {type(base).__name__}; its linear modules are "
+                         f"{linear} (--lora-targets takes them comma-separated, or all).")
+    with torch.device("meta"):
+        model = apply_peft(base, peft_config)
     params = {id(p): p for p in model.parameters()}.values()
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 

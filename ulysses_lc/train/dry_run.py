@@ -23,8 +23,11 @@ def dry_run(cfg: TrainConfig) -> str:
     machine's is not the GPU machine's), so the plan is the one a GPU host with enough RAM gets."""
     checked = preflight(cfg, cfg.world_size or world_size())
     num_params = count_params(checked.model_config)
+    if checked.peft_config is not None:
+        num_params += checked.trainable_params  # the adapters, beside the frozen base
     gpu_bytes = (cfg.gpu_memory_gb or DEFAULT_GPU_GB) * 1e9
-    state_gpu, _ = zero3_state_bytes(num_params, checked.world_size, checked.ds_config)
+    state_gpu, _ = zero3_state_bytes(num_params, checked.world_size, checked.ds_config,
+                                     trainable_params=checked.trainable_params)
     shape = ModelShape.from_config(checked.model_config)
     keep_attention, head_groups = attention_policy(shape, cfg.kernel, cfg.attention_head_groups, cfg.packing)
     plan = plan_memory(shape, cfg.seq_len, gpu_bytes - state_gpu - CONTEXT_BYTES, sp_size=checked.sp_size,

@@ -2,7 +2,8 @@
 
 Two parts:
   memory.zero3_state_bytes   bf16 params, fp32 master, fp32 grads and Adam's two moments, partitioned over
-                      all ranks (device or host as the DeepSpeed config offloads them);
+                      all ranks (device or host as the DeepSpeed config offloads them); with LoRA the
+                      frozen base weights only their bf16 copy;
   memory.plan_bytes   the activations, by the memory plan's own terms, for the plan it chose.
 """
 
@@ -44,7 +45,8 @@ def count_params(model_config) -> int:
 
 def estimate_memory(cfg, checked, plan, num_params: int) -> MemoryEstimate:
     """Predicted bytes per rank for this run and plan (estimate.py)."""
-    state_gpu, state_host = zero3_state_bytes(num_params, checked.world_size, checked.ds_config)
+    state_gpu, state_host = zero3_state_bytes(num_params, checked.world_size, checked.ds_config,
+                                              trainable_params=checked.trainable_params)
     shape = ModelShape.from_config(checked.model_config)
     _, head_groups = attention_policy(shape, cfg.kernel, cfg.attention_head_groups, cfg.packing)
     act_gpu, act_host = plan_bytes(shape, cfg.seq_len, plan, sp_size=checked.sp_size, head_groups=head_groups)
