@@ -184,14 +184,20 @@ def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: in
 PARAM_BYTES, MASTER_AND_GRAD_BYTES, ADAM_MOMENT_BYTES = 2, 8, 8
 
 
-def zero3_state_bytes(num_params: int, world_size: int, ds_config: dict) -> tuple[int, int]:
+def zero3_state_bytes(num_params: int, world_size: int, ds_config: dict,
+                      trainable_params: int | None = None) -> tuple[int, int]:
     """(device, host) bytes per rank of ZeRO-3's partitioned state, all of it partitioned over `world_size`;
-    offload_optimizer moves the fp32 master, grads and moments to the host, offload_param the bf16 params too."""
+    offload_optimizer moves the fp32 master, grads and moments to the host, offload_param the bf16 params too.
+
+    trainable_params: of the num_params, those that train (None: all). Frozen weights (a LoRA run's base) keep
+    only their bf16 copy: ZeRO-3 gives parameters outside the optimizer no fp32 master, gradient or moments.
+    """
     zero = ds_config.get("zero_optimization", {})
     per_rank = -(-num_params // world_size)
+    trainable_per_rank = per_rank if trainable_params is None else -(-trainable_params // world_size)
     off_opt = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
     off_param = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
-    param, optim = PARAM_BYTES * per_rank, (MASTER_AND_GRAD_BYTES + ADAM_MOMENT_BYTES) * per_rank
+    param, optim = PARAM_BYTES * per_rank, (MASTER_AND_GRAD_BYTES + ADAM_MOMENT_BYTES) * trainable_per_rank
     return (0 if off_param else param) + (0 if off_opt else optim), (param if off_param else 0) + (optim if off_opt else 0)
 
 

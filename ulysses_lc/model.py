@@ -20,6 +20,7 @@ from .constants import IGNORE_INDEX
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
+from .peft_support import causal_lm, check_peft_model
 from .recompute import RecomputeContext
 from .rmsnorm import install_efficient_rmsnorm
 from .shape import ModelShape
@@ -35,12 +36,15 @@ def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
 
 
 class SequenceParallelCausalLM(nn.Module):
-    """Wraps `model` (a transformers *ForCausalLM) for sequence-parallel training over `layout`.
+    """Wraps `model` (a transformers *ForCausalLM, or a peft PeftModel of one) for sequence-parallel training over
+    `layout`.
 
     forward(input_ids, position_ids, labels, cu_seqlens=None) -> loss: mean over the valid tokens of the whole sequence
     (all SP ranks), identical on each of them; `last_num_tokens` holds the valid-token count (a device
     tensor, read it after the step). The wrapped model stays a normal HF model (`.model`): save or
-    export it as usual, after `undo()` if you want the plain modules back.
+    export it as usual, after `undo()` if you want the plain modules back. A PeftModel stays one: the levers act
+    on the transformers model under it (`.causal_lm`, peft_support.py), only its trainable parameters take
+    gradients, and its `save_pretrained` writes the adapter.
 
     The memory levers, each exact, are on by default; build this wrapper before `deepspeed.initialize`
     (ZeRO-3 registers its hooks on the modules as they are then). Each is installed through its own
@@ -83,30 +87,32 @@ class SequenceParallelCausalLM(nn.Module):
             raise ValueError("offload=True moves checkpointed activations to the host; it needs checkpointing=True.")
         if plan is not None and not checkpointing:
             raise ValueError("a memory plan chooses which layers are checkpointed; it needs checkpointing=True.")
+        check_peft_model(model, chunked_loss=bool(chunked_loss))
         self.model = model
         self.layout = layout
         self.shape = ModelShape.from_config(model.config)
         self.offload = offload and checkpointing
         self.last_num_tokens = None
         self.levers = []
+        lm = causal_lm(model)
         context = RecomputeContext()
         # Also at sp_size 1: the attention kernel (and its backend priority) is then ours.
-        attention = install_ulysses_attention(model, layout, kernel, head_groups=attention_head_groups,
+        attention = install_ulysses_attention(lm, layout, kernel, head_groups=attention_head_groups,
                                               recompute=context)
         self.levers.append(attention)
         self.attention = attention.attention
         if efficient_norm:
-            self.levers.append(install_efficient_rmsnorm(model))
+            self.levers.append(install_efficient_rmsnorm(lm))
         if chunked_loss:
-            self.levers.append(install_chunked_loss_head(model, None if chunked_loss is True else int(chunked_loss)))
+            self.levers.append(install_chunked_loss_head(lm, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:
-            self.levers.append(install_tiled_mlp(model, None if tiled_mlp is True else int(tiled_mlp)))
+            self.levers.append(install_tiled_mlp(lm, None if tiled_mlp is True else int(tiled_mlp)))
         self.checkpointing = None
         if checkpointing:
             plan = plan or MemoryPlan.everything_checkpointed(self.shape.layers)
             extra = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
             self.checkpointing = install_checkpointing(
-                model, offload=offload, keep_on_gpu=plan.keep_on_gpu, recompute_layers=plan.recompute_layers,
+                lm, offload=offload, keep_on_gpu=plan.keep_on_gpu, recompute_layers=plan.recompute_layers,
                 cache_attention_layers=plan.cache_attention_layers, context=context, **extra,
             )
             self.levers.append(self.checkpointing)
@@ -168,20 +174,29 @@ class SequenceParallelCausalLM(nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None):
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The transformers *ForCausalLM the levers act on: `.model`, or the one under a PeftModel."""
+        return causal_lm(self.model)
+
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None) -> torch.Tensor:
+        """The decoder's last hidden states [b, s_local, e] for this rank's slice (what the loss head reads)."""
         if position_ids is None and self.layout.sp_size > 1:
             raise ValueError(
                 "position_ids are required under sequence parallelism: each rank holds a slice of the sequence "
                 "and needs its global positions; build the batch with ulysses_lc.shard_batch()."
             )
-        if labels is None:
-            raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
         # Packed documents: their boundaries reach the attention function through transformers' layer kwargs.
         extra = {} if cu_seqlens is None else {"document_bounds": tuple(int(n) for n in cu_seqlens.tolist())}
-        hidden_bse = self.model.base_model(
+        return self.causal_lm.base_model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
         ).last_hidden_state
-        head = self.model.get_output_embeddings()
+
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None):
+        if labels is None:
+            raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
+        hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
+        head = self.causal_lm.get_output_embeddings()
         if isinstance(head, ChunkedLossHead):
             loss_sum, n_valid = head(hidden_bse, labels)
         else:

@@ -118,6 +118,7 @@ class Job:
     head_groups: int | str = "auto"
     packed: bool = False
     offload: bool = True
+    trainable_params: int | None = None  # of num_params, those that train (None: all; LoRA: the adapters)
 
     @classmethod
     def from_ds_config(cls, shape: ModelShape, num_params: int, world_size: int, sp_size: int, ds_config: dict,
@@ -139,7 +140,7 @@ class Job:
 
     def predict(self, seq_len: int, plan: MemoryPlan) -> StepMemory:
         """The step's memory per rank under `plan`."""
-        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero)
+        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero, trainable_params=self.trainable_params)
         _, groups = self._policy()
         act_gpu, act_host = plan_bytes(self.shape, seq_len, plan, sp_size=self.sp_size, head_groups=groups,
                                        offload=self.offload, packed=self.packed)
@@ -150,7 +151,7 @@ class Job:
         """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
         ZeRO-3 state and its gathered weights (with their allocator slack), and the host process leave; what
         memory.plan_memory and the run's plan_step (`budget=`) plan within."""
-        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero)
+        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero, trainable_params=self.trainable_params)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu
                   - gathered * (1 + memory_model.ALLOCATOR_SLACK))

@@ -58,11 +58,14 @@ class TiledMLPFunction(torch.autograd.Function):
     Forward communicates nothing and runs under no_grad, so no tile's intermediates outlive it;
     the output is preallocated and filled tile by tile.
     Saved for backward: only x_bse (through save_for_backward, so activation checkpointing and
-    offload hooks see it), on x's device. The `params` inputs are passed only so that autograd
-    calls backward when a parameter, but not x, needs a gradient; nothing is saved for them.
+    offload hooks see it), on x's device, and the RNG state the forward started from (host). The
+    `params` inputs are passed only so that autograd calls backward when a parameter, but not x,
+    needs a gradient; nothing is saved for them.
     Backward communicates nothing itself: it recomputes each tile under enable_grad and runs
     autograd through it, which accumulates every parameter's .grad across tiles and writes the
-    tile's input gradient into a preallocated grad_x_bse.
+    tile's input gradient into a preallocated grad_x_bse. It replays the tiles from the forward's
+    RNG state (in a forked RNG, so the caller's stream is untouched): a dropout inside the MLP (a
+    LoRA adapter's) draws the same masks as in the forward, as torch's checkpoint does for layers.
     """
 
     @staticmethod
@@ -71,6 +74,7 @@ class TiledMLPFunction(torch.autograd.Function):
         ctx.num_tiles = num_tiles
         ctx.params = params
         ctx.save_for_backward(x_bse)
+        ctx.rng = _rng_state(x_bse.device)
         y_bse = None
         for start, end in _tile_bounds(x_bse.shape[1], num_tiles):
             # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * c, e].
@@ -87,18 +91,33 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_x_bse = torch.empty_like(x_bse) if need_grad_x else None
         bounds = _tile_bounds(x_bse.shape[1], ctx.num_tiles)
         zero3_params = [p for p in ctx.params if hasattr(p, "ds_id")]
-        for tile, (start, end) in enumerate(bounds):
-            # ZeRO-3 reduces a gradient as soon as its hook fires unless told to wait.
-            for param in zero3_params:
-                param.ds_grad_is_ready = tile == len(bounds) - 1
-            x_bce = x_bse[:, start:end].detach().contiguous().requires_grad_(need_grad_x)
-            with torch.enable_grad():
-                y_bce = ctx.mlp(x_bce)
-            if y_bce.requires_grad:
-                torch.autograd.backward(y_bce, grad_y_bse[:, start:end])
-            if need_grad_x:
-                grad_x_bse[:, start:end] = x_bce.grad if x_bce.grad is not None else 0
+        cuda = [x_bse.device] if x_bse.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            _set_rng_state(ctx.rng, x_bse.device)
+            for tile, (start, end) in enumerate(bounds):
+                # ZeRO-3 reduces a gradient as soon as its hook fires unless told to wait.
+                for param in zero3_params:
+                    param.ds_grad_is_ready = tile == len(bounds) - 1
+                x_bce = x_bse[:, start:end].detach().contiguous().requires_grad_(need_grad_x)
+                with torch.enable_grad():
+                    y_bce = ctx.mlp(x_bce)
+                if y_bce.requires_grad:
+                    torch.autograd.backward(y_bce, grad_y_bse[:, start:end])
+                if need_grad_x:
+                    grad_x_bse[:, start:end] = x_bce.grad if x_bce.grad is not None else 0
         return (None, grad_x_bse, None) + (None,) * len(ctx.params)
+
+
+def _rng_state(device: torch.device):
+    """The CPU generator's state, and the device's where the MLP runs on CUDA (host-side reads, no sync)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 class TiledMLP(nn.Module):

@@ -53,6 +53,11 @@ class TrainConfig:
     tensorboard: bool = False
     wandb_project: str | None = None  # also report to Weights & Biases, in this project
     export: bool = True
+    lora_r: int = 0  # 0: full fine-tune; > 0: LoRA adapters of this rank, the base weights frozen
+    lora_alpha: float | None = None  # None: 2 x lora_r
+    lora_targets: str = "all"  # module names, comma-separated; all: every attention and MLP projection
+    lora_dropout: float = 0.0
+    export_merged: bool = False  # with LoRA: also write the adapters merged into the base weights
     dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
     world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
     gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default 149, an H200)
@@ -88,6 +93,13 @@ class TrainConfig:
                 raise ValueError(f"--{flag.replace('_', '-')} {value} must be positive (GB per GPU / per rank).")
         if self.max_seq_len and not self.dry_run:
             raise ValueError("--max-seq-len sizes a run without loading it; add --dry-run.")
+        if self.lora_r < 0:
+            raise ValueError(f"--lora-r {self.lora_r} must be >= 0 (0 trains every weight, no adapters).")
+        if not self.lora_r and (self.export_merged or self.lora_alpha is not None or self.lora_dropout):
+            raise ValueError("--lora-alpha, --lora-dropout and --export-merged set LoRA up; add --lora-r (e.g. 16), "
+                             "or drop them for a full fine-tune.")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1).")
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
@@ -172,6 +184,15 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--wandb", dest="wandb_project", metavar="PROJECT",
                    help="also report each step to Weights & Biases in PROJECT (pip install 'ulysses_lc[wandb]')")
     p.add_argument("--no-export", dest="export", action="store_false", help="skip the final HF export")
+    p.add_argument("--lora-r", type=int, default=d.lora_r,
+                   help="train LoRA adapters of this rank instead of every weight (needs ulysses_lc[peft]); the "
+                        "export is then the adapter (default 0: full fine-tune)")
+    p.add_argument("--lora-alpha", type=float, help="LoRA scale alpha (the update is alpha / r x BA; default 2 x r)")
+    p.add_argument("--lora-targets", default=d.lora_targets,
+                   help="modules that get adapters, comma-separated (default all: q,k,v,o,gate,up,down projections)")
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the adapters' input")
+    p.add_argument("--export-merged", action="store_true",
+                   help="with --lora-r: also export the adapters merged into the base weights (hf_export/merged)")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check and print the memory plan and predicted GPU and host memory per rank; "
                         "loads no weights and touches no GPU")

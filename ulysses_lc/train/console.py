@@ -79,7 +79,9 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
     lines = [
         f"output    {out}" if out is not None else "output    none (dry run)",
         f"layout    {layout_line}",
-        f"model     {cfg.model}: {type(checked.model_config).__name__}, {layers} layers, {num_params / 1e6:,.1f} M params",
+        f"model     {cfg.model}: {type(checked.model_config).__name__}, {layers} layers, {num_params / 1e6:,.1f} M params"
+        + (f"; LoRA r {cfg.lora_r} on {cfg.lora_targets}: {checked.trainable_params / 1e6:,.2f} M trained, the rest "
+           "frozen (no optimizer state)" if checked.trainable_params is not None else ""),
         f"length    {cfg.seq_len:,} tokens per step, {yarn}",
         f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}",
         f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",

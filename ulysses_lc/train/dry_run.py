@@ -28,6 +28,8 @@ def dry_run(cfg: TrainConfig) -> str:
     ranks = cfg.world_size or world_size()
     checked = preflight(cfg, ranks)
     num_params = count_params(checked.model_config)
+    if checked.peft_config is not None:
+        num_params += checked.trainable_params  # the adapters, beside the frozen base
     job = job_for(cfg, checked, num_params)
     limits, limits_line = limits_for(cfg, checked.world_size)
     longest_line = None

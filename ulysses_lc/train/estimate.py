@@ -65,7 +65,8 @@ def job_for(cfg, checked, num_params: int) -> Job:
     """The run's sizing.Job: its shape, parameter count, ranks, DeepSpeed offload and attention policy."""
     return Job.from_ds_config(ModelShape.from_config(checked.model_config), num_params, checked.world_size,
                               checked.sp_size, checked.ds_config, kernel=cfg.kernel,
-                              head_groups=cfg.attention_head_groups, packed=cfg.packing)
+                              head_groups=cfg.attention_head_groups, packed=cfg.packing,
+                              trainable_params=checked.trainable_params)
 
 
 def local_ranks(world_size: int) -> int:
@@ -105,7 +106,8 @@ def estimate_memory(cfg, checked, plan, num_params: int, limits: Limits | None =
 def plan_reservations(job: Job, limits: Limits) -> dict:
     """The run's SequenceParallelCausalLM.plan_step keywords: AdamW's moments, due at the first step (on the device
     unless the optimizer is offloaded), and the dry run's budget for these limits, so the run plans no larger."""
-    moments = 0 if job.offload_optimizer else optimizer_reserved_bytes(job.num_params, job.world_size)
+    trainable = job.num_params if job.trainable_params is None else job.trainable_params
+    moments = 0 if job.offload_optimizer else optimizer_reserved_bytes(trainable, job.world_size)
     return {"reserved_bytes": moments, "budget": job.budget(limits)}
 
 

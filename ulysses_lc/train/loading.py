@@ -54,25 +54,36 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.device, ds_config: dict):
-    """Weights for `config` (YaRN already applied to it): from the hub/local folder, or fresh for tiny.
+def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.device, ds_config: dict,
+               peft_config=None):
+    """Weights for `config` (YaRN already applied to it): from the hub/local folder, or fresh for tiny; with
+    `peft_config` (--lora-r), wrapped in a PeftModel whose adapters start from `seed` on every rank.
 
     Under ZeRO-3 a real model is loaded through transformers' DeepSpeed integration (zero.Init), so each
-    rank only ever holds its partition: eight ranks of an 8B model do not each materialise 16 GB.
+    rank only ever holds its partition: eight ranks of an 8B model do not each materialise 16 GB. The adapters
+    are added while that integration is on, so peft gathers a partitioned weight where an adapter's init reads it.
     """
     from transformers import AutoModelForCausalLM
 
+    def adapted(model):
+        if peft_config is None:
+            return model
+        from ..peft_support import apply_peft
+
+        torch.manual_seed(seed)
+        return apply_peft(model, peft_config)
+
     if name == TINY:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
+        return adapted(AutoModelForCausalLM.from_config(config, dtype=dtype).to(device))
     if ds_config.get("zero_optimization", {}).get("stage") == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
         # zero.Init reads only the ZeRO and precision settings; without our mpu DeepSpeed would size the batch by
         # the world size, so the batch keys are left for it to derive.
         init_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
-        zero3 = HfDeepSpeedConfig(init_config)  # must stay alive while from_pretrained runs
-        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype)
+        zero3 = HfDeepSpeedConfig(init_config)  # must stay alive while from_pretrained and peft run
+        model = adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype))
         del zero3
         return model
-    return AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype).to(device)
+    return adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype).to(device))

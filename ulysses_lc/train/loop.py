@@ -78,7 +78,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     )
 
     torch.manual_seed(cfg.seed)
-    hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config)
+    hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config, checked.peft_config)
     model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
     num_params = model.num_parameters()
 
@@ -168,7 +168,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
                 on_step(done, record)
 
     if cfg.export:
-        export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout)
+        export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=cfg.export_merged)
     if rank0:
         logger.info("done: %d steps in %s (checkpoint %s%s)", cfg.steps, out, latest_checkpoint(out),
                     f", Hugging Face model {out / EXPORT_DIR}" if cfg.export else "")

@@ -18,6 +18,7 @@ from ..attention import check_model_for_ulysses
 from ..data import parse_source
 from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
 from ..layout import ParallelLayout
+from ..peft_support import count_trainable_parameters, lora_config
 from ..yarn import apply_yarn
 from .run_state import check_output_dir, find_latest_run
 from .config import TrainConfig
@@ -28,6 +29,7 @@ from .loading import load_model_config
 OPTIONAL_PACKAGES = (
     ("--tensorboard", "tensorboard", "torch.utils.tensorboard", "tensorboard"),
     ("--wandb", "wandb_project", "wandb", "wandb"),
+    ("--lora-r", "lora_r", "peft", "peft"),
 )
 
 
@@ -45,6 +47,8 @@ class Checked:
     sp_size: int
     world_size: int
     dtype: torch.dtype
+    peft_config: object = None  # --lora-r: the peft LoraConfig the model gets
+    trainable_params: int | None = None  # --lora-r: the adapters' parameters (None: every parameter trains)
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> Checked:
@@ -80,7 +84,12 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
     apply_yarn(model_config, cfg.seq_len, cfg.yarn_factor)
-    return Checked(out, ds_config, model_config, sp_size, world_size, dtype)
+    peft_config = trainable = None
+    if cfg.lora_r:
+        peft_config = lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
+        # On the meta device, in seconds: a target the model does not have fails here, before any weight loads.
+        _, trainable = count_trainable_parameters(model_config, peft_config)
+    return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable)
 
 
 def _check_output(cfg: TrainConfig, sp_size: int, world_size: int) -> Path | None:

@@ -83,9 +83,11 @@ def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
     if cfg.resume and run_file.exists():
         saved = json.loads(run_file.read_text())
         # The ZeRO-3 partitions and the DP split of the data follow the world size and sp_size.
-        now = {"model": cfg.model, "seq_len": cfg.seq_len, "data": cfg.data, "sp_size": sp_size, "world_size": world_size}
+        now = {"model": cfg.model, "seq_len": cfg.seq_len, "data": cfg.data, "sp_size": sp_size, "world_size": world_size,
+               "lora_r": cfg.lora_r, "lora_targets": cfg.lora_targets}  # the adapters are the trained state
+        before_lora = {"lora_r": 0, "lora_targets": "all"}  # a run.json written before the LoRA flags
         for key, value in now.items():
-            if saved.get(key) != value:
+            if saved.get(key, before_lora.get(key)) != value:
                 raise ValueError(
                     f"--resume: the checkpoint in {out} was trained with {key}={saved.get(key)!r}, not "
                     f"{value!r}; resume with the same settings (number of GPUs included) or use another --output-dir."
@@ -107,7 +109,10 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0) -> None
     ckpt_dir = out / CHECKPOINT_DIR
     # DeepSpeed's own `latest` is written by rank 0 as soon as rank 0's files are done, before the other
     # ranks' are: a crash there leaves `latest` naming a checkpoint with missing shards.
-    engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False,
+    # A LoRA run's frozen base weights are not saved (every checkpoint would hold the whole model again): --resume
+    # loads them from --model, as the run did, and the checkpoint restores the adapters and their optimizer state.
+    frozen = any(not p.requires_grad for p in engine.module.parameters())
+    engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False, exclude_frozen_parameters=frozen,
                            client_state={"step": step, "data": stream.state_dict(), "rng": rng_state()})
     torch.distributed.barrier()  # every rank's files are written
     if torch.distributed.get_rank() == 0:
@@ -130,7 +135,9 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
 
 def load_checkpoint(engine, out: Path, stream) -> int:
     """Collective: restore the latest checkpoint into `engine` and `stream`, and the RNG; returns its step."""
-    _, client = engine.load_checkpoint(str(out / CHECKPOINT_DIR))
+    # A LoRA run's checkpoint holds no frozen weights (save_checkpoint): those keys are missing by design.
+    frozen = any(not p.requires_grad for p in engine.module.parameters())
+    _, client = engine.load_checkpoint(str(out / CHECKPOINT_DIR), load_module_strict=not frozen)
     if client is None:
         raise ValueError(f"--resume: the checkpoint {out / CHECKPOINT_DIR} names cannot be read; pass another --output-dir.")
     stream.load_state_dict(client["data"])
