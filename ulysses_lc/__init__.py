@@ -6,6 +6,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   sharding.py       shard_batch: shift, pad and slice one sequence for this rank
   exchange.py       the all-to-alls around attention (who sends what to whom)
   kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, explicit ops over head groups
+  window_attention.py  sliding-window causal attention and attention sinks (Mistral, Gemma 3, gpt-oss), exact
   attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
   recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
   checkpointing.py  install_checkpointing: per-layer checkpoints, inputs offloaded to host (host_pool.py)
