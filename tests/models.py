@@ -29,6 +29,8 @@ def tiny_config(family: str, **overrides):
             mlp_only_layers=[], **common,
         )
     window = dict(sliding_window=common.pop("sliding_window", WINDOW))
+    if family == "qwen3_sliding":  # use_sliding_window: layer 0 full, layer 1 windowed (max_window_layers)
+        return Qwen3Config(use_sliding_window=True, max_window_layers=1, **window, **common)
     if family == "mistral":
         return MistralConfig(**window, **common)
     if family == "gemma3":  # mixed local / global layers, final logit soft-capping, Gemma's own scalings

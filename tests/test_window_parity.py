@@ -1,7 +1,7 @@
 """Sliding-window and sink families under Ulysses at sp 2 and 4 against single-process transformers.
 
-Tiny Mistral (every layer windowed), Gemma 3 text (local / global layers, final logit soft-capping) and gpt-oss
-(sinks on every layer, local / global, MoE), 37 tokens (not divisible by sp): a window of 5, smaller than a shard,
+Tiny Mistral (every layer windowed), Gemma 3 text (local / global layers, final logit soft-capping), gpt-oss
+(sinks on every layer, local / global, MoE) and a Qwen3 config with use_sliding_window, 37 tokens (not divisible by sp): a window of 5, smaller than a shard,
 and one of 24, wider than a shard (at sp 4 it spans three); packed documents against each document alone; at sp 2
 also every lever (chunked loss with the soft-cap, tiled MLP over the MoE, checkpoints offloaded, every layer keeping
 its attention output for the recompute, bf16-saving RMSNorm in each family's form). One launch of 4 ranks runs
@@ -25,6 +25,7 @@ ALL_LEVERS = dict(chunked_loss=4, tiled_mlp=3, checkpointing=True, offload=True,
 CASES = [(sp, f, w, None, NO_LEVERS) for sp in (4, 2) for f in WINDOW_FAMILIES for w in (5, 24)]
 CASES += [(sp, f, 5, DOCS, NO_LEVERS) for sp in (4, 2) for f in WINDOW_FAMILIES]
 CASES += [(2, f, 5, None, ALL_LEVERS) for f in WINDOW_FAMILIES]
+CASES += [(2, "qwen3_sliding", 5, None, NO_LEVERS)]
 
 
 @functools.lru_cache(maxsize=None)

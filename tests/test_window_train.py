@@ -1,8 +1,9 @@
 """The main job on a local folder of each sliding-window family: Mistral, Gemma 3 text, gpt-oss (sinks, MoE).
 
 Each folder holds a tiny random model (save_pretrained) and the embedded byte tokenizer, as a user's download
-would. One launch of 2 gloo ranks (sp 2) trains all three in turn on generated text, every lever on; the dry run
-sizes each at 256k tokens from its config alone.
+would. One launch of 2 gloo ranks (sp 2) trains all three in turn on generated text, every lever on, then gpt-oss
+through UlyssesTrainer (the Trainer path: its first logged loss is the plain model's on that sequence, 1e-5
+relative); the dry run sizes each at 256k tokens from its config alone.
 """
 
 import os
@@ -11,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests._dist import run_distributed
-from tests.models import WINDOW_FAMILIES, tiny_config
+from tests.models import WINDOW_FAMILIES, build, tiny_config
+from tests.test_hf_trainer import sequences
 from ulysses_lc.tiny import tiny_tokenizer
 from ulysses_lc.train import TrainConfig, main, train
 
@@ -34,17 +36,32 @@ def save_models(root):
     return folders
 
 
-def train_worker(rank, world_size, configs):
-    return [[r["loss"] for r in train(cfg)] for cfg in configs]
+def train_worker(rank, world_size, configs, trainer_out):
+    import datasets
+
+    from tests.test_hf_trainer import sequences, training_args
+    from ulysses_lc.hf_trainer import UlyssesTrainer
+
+    losses = [[r["loss"] for r in train(cfg)] for cfg in configs]
+    trainer = UlyssesTrainer(model=build("gpt_oss"), args=training_args(trainer_out, 1), sp_size=2,
+                             train_dataset=datasets.Dataset.from_dict({"input_ids": sequences()}))
+    trainer.train()
+    return losses, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_main_job_trains_each_window_family(tmp_path):
+def test_main_job_and_trainer_take_each_window_family(tmp_path):
     folders = save_models(tmp_path)
-    configs = [TrainConfig(model=folders[f], data="tiny", seq_len=512, steps=5, lr=3e-3, warmup_steps=1,
+    configs = [TrainConfig(model=folders[f], data="tiny", seq_len=512, steps=4, lr=3e-3, warmup_steps=1,
                            output_dir=str(tmp_path / f"run-{f}"), cache_dir=str(tmp_path / "cache"), export=False)
                for f in WINDOW_FAMILIES]
-    for family, losses in zip(WINDOW_FAMILIES, run_distributed(train_worker, 2, configs)[0]):
+    job_losses, trainer_losses = run_distributed(train_worker, 2, configs, str(tmp_path / "trainer"))[0]
+    for family, losses in zip(WINDOW_FAMILIES, job_losses):
         assert losses[-1] < losses[0] - 0.3, (family, losses)  # from ~log(257): the model learns the text
+    model = build("gpt_oss").eval()
+    with torch.no_grad():
+        plain = [model(input_ids=torch.tensor([s]), labels=torch.tensor([s])).loss.item() for s in sequences()]
+    assert len(trainer_losses) == 1 and any(abs(trainer_losses[0] - p) <= 1e-5 * p for p in plain), (
+        trainer_losses, plain)
 
 
 def test_dry_run_sizes_each_window_family(tmp_path, capsys):
