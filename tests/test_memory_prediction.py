@@ -85,7 +85,7 @@ TERMS = {
     "checkpointed inputs": (memory, "checkpointed_input_bytes_per_token", lambda shape: 0),
     "kept attention outputs": (memory, "kept_output_bytes_per_token", lambda shape: 0),
     "loss head": (memory, "loss_head_bytes", lambda shape, tokens: memory.auto_chunk_rows(shape.vocab) * shape.vocab * 4),
-    "ZeRO-3 state": (memory, "zero3_state_bytes", lambda *a: (0, 0)),
+    "ZeRO-3 state": (memory, "zero3_state_bytes", lambda *a, **kw: (0, 0)),
     "ZeRO-3 gathered weights": (memory_model, "zero3_working_bytes", lambda params: 0),
     "host process": (memory_model, "HOST_PROCESS_BYTES", 0),
 }
