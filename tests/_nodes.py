@@ -1,0 +1,99 @@
+"""Simulated nodes on one machine: one launcher per node rank, all on 127.0.0.1, as a user starts a job on a cluster.
+
+`launch_nodes` starts `nnodes` launchers (torchrun with --nnodes/--node_rank, or DeepSpeed's runner with --no_ssh
+and --node_rank, which needs no ssh), each in its own working folder when `cwds` names several (node-local disks)
+or all in one (a shared file system), and returns each node's finished process. Every rank of node n sees
+the launcher's own node variables (torchrun's GROUP_RANK, DeepSpeed's CROSS_RANK), which is how ulysses_lc tells
+simulated nodes apart when they share a host name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests._dist import _free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def node_env(extra: dict | None = None) -> dict:
+    """The environment of a node's launcher: this checkout first on the path, offline, one thread per rank."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def node_command(launcher: str, node_rank: int, nnodes: int, nproc_per_node: int, port: int, hostfile: Path | None = None) -> list[str]:
+    """The launcher's command line for one node of the job (rendezvous on 127.0.0.1:port)."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node_rank", str(node_rank),
+                "--nproc_per_node", str(nproc_per_node), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    if launcher == "deepspeed":
+        assert hostfile is not None, "the deepspeed launcher reads its nodes from a hostfile"
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+                "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def start_nodes(entry: list[str], cwds: list[Path], *, nproc_per_node: int = 2, launcher: str = "torchrun",
+                env: dict | None = None, port: int | None = None) -> list[subprocess.Popen]:
+    """Start one launcher per folder in `cwds` (node n runs in cwds[n]); output is piped, stderr into stdout."""
+    nnodes = len(cwds)
+    port = port or _free_port()
+    hostfile = None
+    if launcher == "deepspeed":
+        # Distinct names for one machine: DeepSpeed's runner only counts slots; --no_ssh starts this node's share.
+        hostfile = Path(cwds[0]) / "hostfile"
+        hostfile.write_text("".join(f"node{n} slots={nproc_per_node}\n" for n in range(nnodes)))
+    procs = []
+    for node_rank, cwd in enumerate(cwds):
+        Path(cwd).mkdir(parents=True, exist_ok=True)
+        cmd = [*node_command(launcher, node_rank, nnodes, nproc_per_node, port, hostfile), *entry]
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=node_env(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def launch_nodes(entry: list[str], cwds: list[Path], *, timeout: float = 600, **kwargs) -> list[tuple[int, str, float]]:
+    """Run the job to its end on simulated nodes; each node's (exit code, output, seconds after the first node ended).
+    A hang guard, not a speed test: `timeout` ends a job that would wait out a collective's timeout."""
+    procs = start_nodes(entry, cwds, **kwargs)
+    deadline = time.monotonic() + timeout
+    outputs, ended = [""] * len(procs), [None] * len(procs)
+    import threading
+
+    def drain(i, proc):
+        outputs[i] = proc.stdout.read()
+        proc.wait()
+        ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in hung:
+        _kill_tree(procs[i])
+    for t in threads:
+        t.join(30)
+    assert not hung, f"node(s) {hung} still running after {timeout:.0f} s:\n" + "\n".join(
+        f"--- node {i} ---\n{out[-4000:]}" for i, out in enumerate(outputs))
+    first = min(ended)
+    return [(p.returncode, outputs[i], ended[i] - first) for i, p in enumerate(procs)]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in [*children, psutil.Process(proc.pid)]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
