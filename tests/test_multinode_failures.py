@@ -23,9 +23,11 @@ from ulysses_lc.train.job_watch import JobWatch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ARGS = ["--seq-len", "512", "--no-export", "--output-dir", "run"]
-# A hang guard, not a speed test: the fault ends the job in seconds; without the watch node 0 waits for a collective's
-# timeout (gloo 30 min, NCCL 30 min) or for the whole run. 120 s tells the two apart on any load.
+# Hang guards, not speed tests: the fault ends the job in seconds; without the watch node 0 waits for a collective's
+# timeout (gloo 30 min, NCCL 30 min) or for the whole run. 120 s from the fault tells the two apart on any load; a
+# whole launch, start-up included (a minute, up to three on a two-core machine running two other suites), gets 300 s.
 HANG_GUARD_S = 120
+LAUNCH_GUARD_S = 300
 
 
 def _cwds(tmp_path: Path) -> list[Path]:
@@ -126,7 +128,7 @@ def test_an_exception_on_one_rank_of_node_1_is_node_0s_last_line(tmp_path):
     script.write_text(FAILING_RANK)
     start = time.monotonic()
     (rc0, out0, _), (rc1, out1, _) = launch_nodes([str(script), "--steps", "12", *ARGS], _cwds(tmp_path),
-                                                 timeout=HANG_GUARD_S + 60)
+                                                 timeout=LAUNCH_GUARD_S)
     print(f"job ended after {time.monotonic() - start:.1f} s (start-up included)")
     assert rc0 != 0 and rc1 != 0
     message = "RuntimeError: injected failure on rank 3 at step 3"
@@ -144,7 +146,7 @@ def test_a_check_failing_on_node_1_only_ends_node_0_before_any_work(tmp_path):
     (node0 / "books.txt").write_text(tiny_text(20_000, seed=1))  # on node 0's disk only
     start = time.monotonic()
     (rc0, out0, _), (rc1, out1, _) = launch_nodes(["-m", "ulysses_lc.train", "--steps", "2", "--data", "books.txt",
-                                                   *ARGS], [node0, node1], timeout=HANG_GUARD_S)
+                                                   *ARGS], [node0, node1], timeout=LAUNCH_GUARD_S)
     print(f"job ended after {time.monotonic() - start:.1f} s (start-up included)")
     assert rc0 != 0 and rc1 != 0
     cause = "error (rank 2 on node 1, host "

@@ -97,8 +97,7 @@ def publish(message: str) -> bool:
 
 
 def claim_own_failure() -> None:
-    """This rank reports its own failure (cli.py): the watcher stays quiet, and a SIGTERM ends the rank at once, as
-    its default would (the launcher is ending it because its node's speaker exited first)."""
+    """This rank reports its own failure (cli.py): the watcher stays quiet, a SIGTERM ends the rank as by default."""
     global _ending_own_failure
     _ending.acquire(blocking=False)
     _ending_own_failure = True
@@ -261,6 +260,8 @@ class JobWatch:
 
     def _gone_peers(self) -> list[int]:
         gone = [r for r in self.table.local() if r != self.table.rank and not alive(self.table.pids[r])]
+        if 0 in gone and not agent_hosts_store():  # the store lived in rank 0's process: touching it only warns
+            self._store_lost_at = self._store_lost_at or time.monotonic()
         if not gone or self.store is None or self._store_lost_at is not None:
             return gone
         try:  # a peer that ended its run cleanly (train() returned) is no fault
@@ -333,11 +334,11 @@ class JobWatch:
 
     def _known_report(self) -> Report | None:
         """The job's report as far as this rank can tell: the store's, else one of this node's seen before."""
-        if self.store is not None and self._store_lost_at is None:
-            try:
+        try:
+            if self.store is not None and self._store_lost_at is None:
                 return self._read_report()
-            except Exception:  # noqa: BLE001
-                self._store_lost_at = time.monotonic()
+        except Exception:  # noqa: BLE001
+            self._store_lost_at = time.monotonic()
         return self._own_node_report[0] if self._own_node_report else None
 
     def _publish(self, report: Report) -> Report:
