@@ -66,7 +66,7 @@ class ShardingCollator:
 
     def __init__(self, collator, layout: ParallelLayout, vocab_size: int, pad_token_id: int):
         self.collator = collator
-        self.layout = ParallelLayout(layout.world_size, layout.sp_size, layout.rank)
+        self.layout = layout.without_groups()
         self.vocab_size = vocab_size
         self.pad_token_id = pad_token_id
 
