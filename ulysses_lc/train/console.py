@@ -52,8 +52,9 @@ class RunLogger(StepLogger):
 
 
 def layout_line(layout) -> str:
+    """The layout and, on its own line of the block, where the SP groups sit (inside a node or across nodes)."""
     return (f"{layout.world_size} ranks = sp {layout.sp_size} (ranks sharing one sequence) x dp {layout.dp_size} "
-            "(sequences per step)")
+            f"(sequences per step)\n  nodes     {layout.placement_line()}")
 
 
 def _plan_reason(cfg, device: str, estimate) -> str:
