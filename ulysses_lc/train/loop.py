@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
+from ..data.cache import default_cache_dir
 from ..distributed import init_distributed, world_size
 from ..layout import ParallelLayout
 from ..memory import MemoryPlan
@@ -34,6 +35,7 @@ from .config import TrainConfig
 from .console import RunLogger, layout_line, startup_block
 from .estimate import estimate_memory, job_for, plan_reservations, run_limits
 from .export import EXPORT_DIR, export_hf_model
+from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from .preflight import preflight
 from .schedule import lr_lambda
@@ -57,16 +59,22 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     if cfg.dry_run:
         raise ValueError("--dry-run: call ulysses_lc.train.dry_run(cfg), which loads nothing and starts no process group.")
     init_distributed()  # any launcher, or one process under plain python
-    layout = ParallelLayout.build(checked.sp_size)
+    layout = ParallelLayout.build(checked.sp_size, placement=cfg.sp_placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
     rank0 = layout.rank == 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    out = checked.out if checked.out is not None else _agree_on_new_run_dir(cfg.model, layout)
+    # One run folder for the whole job (rank 0's), then who writes what in it and in the token cache: once per
+    # folder, whether the nodes share one file system or each has its own disk (files.py).
+    out = agree_on_run_dir(checked.out, lambda: new_run_dir(cfg.model), layout)
+    run_files = folder_owner(out, layout)
+    cache_files = folder_owner(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), layout)
     if rank0:
-        logger.info("%s %s", "resuming" if cfg.resume else "writing to", out)
+        logger.info("%s %s%s", "resuming" if cfg.resume else "writing to", out,
+                    "" if layout.num_nodes == 1 else f" (run folder {run_files.describe()}, token cache "
+                    f"{cache_files.describe()})")
 
     tokenizer = load_tokenizer(cfg.model)
     data_settings = cfg.data_settings.kwargs()
@@ -74,7 +82,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
     stream = build_token_stream(
         cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * layout.dp_size, cache_dir=cfg.cache_dir,
-        local_rank=local_rank, progress=rank0, **data_settings,
+        builder=cache_files.writes, progress=rank0, **data_settings,
     )
 
     torch.manual_seed(cfg.seed)
@@ -111,10 +119,10 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
 
     start_step = 0
     if cfg.resume:
-        start_step = load_checkpoint(engine, out, stream)
+        start_step = load_checkpoint(engine, out, stream, layout)
         if rank0:
             logger.info("resumed from step %d", start_step)
-    elif rank0:
+    elif run_files.writes:
         write_run_file(out, cfg, sp_size, world)
 
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size. Without a
@@ -163,7 +171,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
                     f"{cfg.lr:g}) or raise --warmup-steps, and check the data; then continue from the checkpoint "
                     f"with --resume --output-dir {out}.")
             if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints)
+                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints, writes=run_files.writes)
             if on_step is not None:
                 on_step(done, record)
 
@@ -173,13 +181,6 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
         logger.info("done: %d steps in %s (checkpoint %s%s)", cfg.steps, out, latest_checkpoint(out),
                     f", Hugging Face model {out / EXPORT_DIR}" if cfg.export else "")
     return records
-
-
-def _agree_on_new_run_dir(model: str, layout: ParallelLayout) -> Path:
-    """Rank 0 names the new run directory and tells the others (their clocks may straddle a second)."""
-    name = [str(new_run_dir(model)) if layout.rank == 0 else None]
-    torch.distributed.broadcast_object_list(name, src=0, group=layout.world_group)
-    return Path(name[0])
 
 
 def _start_wandb(cfg: TrainConfig, out: Path):

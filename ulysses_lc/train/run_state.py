@@ -7,12 +7,14 @@ Run directories: without --output-dir every run gets a new `runs/<model>-<date>-
 commands can be run again as they are (a user who reruns a command expects a new run, not a refusal or an
 overwrite); --resume without --output-dir continues the latest such run that holds a checkpoint.
 Checkpoints are written atomically: DeepSpeed writes a tag's files, every rank finishes, and only then
-does rank 0 point `latest` at it (by rename), so a crash mid-save leaves `latest` on the previous one.
+does rank 0 point `latest` at it (by rename), so a crash mid-save leaves `latest` on the previous one. On
+node-local disks each node's folder gets its own run.json and `latest` (files.py says which rank writes what).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -27,6 +29,8 @@ CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
 RUNS_DIR = Path("runs")
 LATEST = "latest"  # DeepSpeed's name for the file holding the newest complete tag
+
+logger = logging.getLogger(__name__)
 
 
 def rng_state() -> dict:
@@ -96,15 +100,17 @@ def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
 
 
 def write_run_file(out: Path, cfg, sp_size: int, world_size: int) -> None:
-    """Record what this run trains (checked by a later --resume). Rank 0 only."""
+    """Record what this run trains (checked by a later --resume). One rank per folder (files.folder_owner)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), "sp_size": sp_size, "world_size": world_size}, indent=2))
 
 
-def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0) -> None:
+def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes: bool | None = None) -> None:
     """Collective: model, optimizer and schedule (DeepSpeed) plus step, data position and RNG, then `latest`.
 
     keep: the newest `keep` checkpoints stay, older ones are deleted once `latest` points past them (0: all).
+    writes: whether this rank writes `latest` and prunes (files.folder_owner: one rank per folder, so every
+    node-local copy gets its own); default global rank 0, for one shared folder.
     """
     ckpt_dir = out / CHECKPOINT_DIR
     # DeepSpeed's own `latest` is written by rank 0 as soon as rank 0's files are done, before the other
@@ -115,7 +121,7 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0) -> None
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False, exclude_frozen_parameters=frozen,
                            client_state={"step": step, "data": stream.state_dict(), "rng": rng_state()})
     torch.distributed.barrier()  # every rank's files are written
-    if torch.distributed.get_rank() == 0:
+    if torch.distributed.get_rank() == 0 if writes is None else writes:
         tmp = ckpt_dir / f".{LATEST}.tmp"
         tmp.write_text(f"step{step}")
         os.replace(tmp, ckpt_dir / LATEST)  # atomic: `latest` names the old tag or the new one, never half
@@ -133,13 +139,24 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(ckpt_dir / f"step{s}", ignore_errors=True)
 
 
-def load_checkpoint(engine, out: Path, stream) -> int:
-    """Collective: restore the latest checkpoint into `engine` and `stream`, and the RNG; returns its step."""
+def load_checkpoint(engine, out: Path, stream, layout=None) -> int:
+    """Collective: restore the newest checkpoint every rank holds its files of (files.agree_on_checkpoint: each
+    rank reads its own folder's `latest`, which on node-local disks is its node's) into `engine` and `stream`, and
+    the RNG; returns its step. layout: None for a job whose ranks all see one folder (its `latest` is used)."""
+    from .files import agree_on_checkpoint
+
+    ckpt_dir = out / CHECKPOINT_DIR
+    tag = None
+    if layout is not None:
+        latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+        tag, note = agree_on_checkpoint(ckpt_dir, latest, layout)
+        if note and layout.rank == 0:
+            logger.info(note)
     # A LoRA run's checkpoint holds no frozen weights (save_checkpoint): those keys are missing by design.
     frozen = any(not p.requires_grad for p in engine.module.parameters())
-    _, client = engine.load_checkpoint(str(out / CHECKPOINT_DIR), load_module_strict=not frozen)
+    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not frozen)
     if client is None:
-        raise ValueError(f"--resume: the checkpoint {out / CHECKPOINT_DIR} names cannot be read; pass another --output-dir.")
+        raise ValueError(f"--resume: the checkpoint {ckpt_dir} names cannot be read; pass another --output-dir.")
     stream.load_state_dict(client["data"])
     set_rng_state(client["rng"])
     return client["step"]
