@@ -118,8 +118,21 @@ def init_distributed(backend: str | None = None) -> None:
 
     if not torch.distributed.is_initialized():
         single_process_defaults()
+    bind_cuda_device()
     with _without_shm_comm_op():
         deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+
+
+def bind_cuda_device() -> None:
+    """Make this rank's GPU (LOCAL_RANK) the current CUDA device, where there are GPUs and none was chosen.
+
+    NCCL's object collectives (all_gather_object, broadcast_object_list: the layout's node ids, the run folder's
+    name) run on the current device: left at cuda:0 on every rank, ranks of one node collide on one GPU."""
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return
+    local = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
+    if torch.cuda.current_device() == 0 and local != 0:  # still the default: nobody chose one
+        torch.cuda.set_device(local)
 
 
 @contextlib.contextmanager
@@ -201,5 +214,5 @@ def local_world_size() -> int | None:
     return int(slurm["LOCAL_WORLD_SIZE"]) if slurm else None
 
 
-__all__ = ["default_backend", "destroy_distributed", "expand_nodelist", "init_distributed", "local_world_size",
+__all__ = ["bind_cuda_device", "default_backend", "destroy_distributed", "expand_nodelist", "init_distributed", "local_world_size",
            "node_id", "single_process_defaults", "slurm_variables", "world_size"]

@@ -113,9 +113,10 @@ class ParallelLayout:
                 "torch.distributed is not initialised; call deepspeed.init_distributed() (or "
                 "torch.distributed.init_process_group) before ParallelLayout.build()."
             )
-        from .distributed import node_id
+        from .distributed import bind_cuda_device, node_id
 
         world, rank = dist.get_world_size(), dist.get_rank()
+        bind_cuda_device()  # the node ids travel by an object collective, on the current device under NCCL
         sp_size = world if sp_size is None else sp_size
         cls(world, sp_size, placement=placement)  # validate before any collective
         ids = [None] * world

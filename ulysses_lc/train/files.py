@@ -53,8 +53,9 @@ def _nodes(layout) -> tuple[int, ...]:
 def folder_owner(folder: Path, layout) -> FolderOwner:
     """Collective over every rank of `layout`: find which nodes share `folder` and whether this rank writes it.
 
-    The folder is created on each node. Each node's first rank writes `.ulysses_lc-probe-<job token>-<node>`,
-    all ranks meet, each first rank lists the probes it can see, and the lowest node among them owns the copy.
+    Each node's first rank writes `.ulysses_lc-probe-<job token>-<node>` (creating the folder for it), all ranks
+    meet, each first rank lists the probes it can see, and the lowest node among them owns the copy. The probes and
+    any folder made for them are removed again, so a run refused later leaves nothing behind.
     """
     nodes = _nodes(layout)
     node = nodes[layout.rank]
@@ -62,7 +63,12 @@ def folder_owner(folder: Path, layout) -> FolderOwner:
     token = [uuid.uuid4().hex[:12] if layout.rank == 0 else None]
     dist.broadcast_object_list(token, src=0, group=layout.world_group)
     probe = Path(folder) / f"{PROBE}-{token[0]}-{node}"
+    made = []
     if first:
+        missing = Path(folder)
+        while not missing.exists():
+            made.append(missing)
+            missing = missing.parent
         Path(folder).mkdir(parents=True, exist_ok=True)
         probe.write_text(str(layout.rank))
     dist.barrier(group=layout.world_group)
@@ -74,6 +80,11 @@ def folder_owner(folder: Path, layout) -> FolderOwner:
     dist.barrier(group=layout.world_group)  # every first rank has looked: the probes can go
     if first:
         probe.unlink(missing_ok=True)
+        for path in made:  # deepest first; one another node still probes in is not empty, and stays
+            try:
+                path.rmdir()
+            except OSError:
+                break
     shared_by = every[nodes.index(node)]
     return FolderOwner(writes=first and node == min(shared_by), shared_by=shared_by, num_nodes=len(set(nodes)))
 
@@ -98,14 +109,11 @@ def own_checkpoints(ckpt_dir: Path, rank: int, latest: str | None) -> list[int]:
     return sorted(steps)
 
 
-def agree_on_checkpoint(ckpt_dir: Path, latest: str | None, layout, saved_world_size: int | None = None) -> tuple[str, str | None]:
-    """Collective: the newest checkpoint step every rank can resume from, as (tag, a line saying why when it is
-    not this folder's `latest`). ValueError, naming the ranks and the fix, when there is none.
-
-    saved_world_size: the world size the checkpoint was written with, where it differs from this job's (a resharded
-    resume reads every old rank's files, which must then all be in this folder: checked by the loader)."""
-    mine = own_checkpoints(ckpt_dir, layout.rank, latest) if saved_world_size in (None, layout.world_size) else (
-        [int(latest.removeprefix("step"))] if latest else [])
+def agree_on_checkpoint(ckpt_dir: Path, latest: str | None, layout) -> tuple[str, str | None]:
+    """Collective: the newest checkpoint step every rank can resume from (a checkpoint of this job's world size:
+    each rank holds its own files), as (tag, a line saying why when it is not this folder's `latest`). ValueError,
+    naming the ranks and the fix, when there is none."""
+    mine = own_checkpoints(ckpt_dir, layout.rank, latest)
     every = [None] * layout.world_size
     dist.all_gather_object(every, (mine, latest), group=layout.world_group)
     common = set(every[0][0]).intersection(*(set(steps) for steps, _ in every[1:]))

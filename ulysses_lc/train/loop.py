@@ -26,11 +26,11 @@ from ..data import build_token_stream, check_source, pad_token_id
 from ..data.cache import default_cache_dir
 from ..distributed import init_distributed, world_size
 from ..layout import ParallelLayout
-from ..memory import MemoryPlan
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..sharding import shard_batch
-from .run_state import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint, write_run_file
+from .run_state import (check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint,
+                        write_run_file)
 from .config import TrainConfig
 from .console import RunLogger, layout_line, startup_block
 from .estimate import estimate_memory, job_for, plan_reservations, run_limits
@@ -69,6 +69,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # One run folder for the whole job (rank 0's), then who writes what in it and in the token cache: once per
     # folder, whether the nodes share one file system or each has its own disk (files.py).
     out = agree_on_run_dir(checked.out, lambda: new_run_dir(cfg.model), layout)
+    if cfg.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
+        check_output_dir(cfg, sp_size, world, out)
     run_files = folder_owner(out, layout)
     cache_files = folder_owner(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), layout)
     if rank0:
