@@ -228,8 +228,8 @@ class UlyssesTrainerMixin:
                              f"{torch.distributed.get_world_size()}: on CPU pass use_cpu=True in the TrainingArguments "
                              "(or start with accelerate launch --cpu).")
         layout = ParallelLayout.build(_sp_size_from(self.args, sp_size), placement=sp_placement)
-        if layout.rank == 0 and layout.num_nodes > 1:
-            logger.info("ulysses_lc nodes: %s", layout.placement_line())
+        if layout.rank == 0 and layout.num_nodes > 1:  # a warning where the all-to-all leaves the node: it costs
+            (logger.warning if layout.sp_group_nodes > 1 else logger.info)("ulysses_lc nodes: %s", layout.placement_line())
         check_deepspeed_config({k: v for k, v in self.args.hf_deepspeed_config.config.items()
                                 if k not in ("train_batch_size", "gradient_accumulation_steps")}, layout)
         check_model_for_ulysses(self.model.config, layout.sp_size)

@@ -192,7 +192,8 @@ class ParallelLayout:
             return f"1 node: every SP group of {self.sp_size} inside it"
         per_node = Counter(self.nodes)
         counts = sorted(set(per_node.values()))
-        ranks = f"{counts[0]} ranks" if len(counts) == 1 else f"{counts[0]}-{counts[-1]} ranks"
+        ranks = (f"{counts[0]} rank{'s' if counts[0] > 1 else ''}" if len(counts) == 1
+                 else f"{counts[0]}-{counts[-1]} ranks")
         head = f"{self.num_nodes} nodes x {ranks}"
         spans = self.sp_group_nodes
         if spans == 1:
