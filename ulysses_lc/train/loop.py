@@ -1,4 +1,4 @@
-"""The training loop behind examples/train_1m.py: one long sequence per step, on DeepSpeed ZeRO-3.
+"""The training loop behind examples/train_1m.py: long sequences, one per DP group per micro step, on DeepSpeed ZeRO-3.
 
 Every piece is a library call a user can take on its own (see examples/embed_in_your_loop.py); this
 module strings them together with the run's bookkeeping: checks before any heavy work, the token
@@ -59,6 +59,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     init_distributed()  # any launcher, or one process under plain python
     layout = ParallelLayout.build(checked.sp_size)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
+    global_batch = checked.global_batch
+    grad_accum = global_batch // layout.dp_size  # micro steps per optimizer step, each DP group one sequence each
     rank0 = layout.rank == 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -73,7 +75,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # A missing path, column or completion fails here, on the first rows, before any weights load.
     check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
     stream = build_token_stream(
-        cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * layout.dp_size, cache_dir=cfg.cache_dir,
+        cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * global_batch, cache_dir=cfg.cache_dir,
         local_rank=local_rank, progress=rank0, **data_settings,
     )
 
@@ -124,33 +126,41 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     records = []
     with RunLogger(
-        out, cfg.steps, tokens_per_step=cfg.seq_len * layout.dp_size, world_size=sp_size, flops=flops,
+        out, cfg.steps, tokens_per_step=cfg.seq_len * global_batch, world_size=sp_size, flops=flops,
         peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=cfg.tensorboard,
         wandb_run=_start_wandb(cfg, out) if rank0 and cfg.wandb_project else None,
     ) as step_logger:
         for step in range(start_step, cfg.steps):
-            # DP group j takes window position + j; the position then moves past all DP groups' windows.
-            sample = stream.sample(stream.position + layout.dp_rank)
-            batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
-                                vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            loss = engine(**batch.as_kwargs())
-            engine.backward(loss)
-            engine.step()
+            losses, trained, documents, padding = [], 0, 0, 0
+            for micro in range(grad_accum):
+                # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
+                # global_batch sequences however they are split over DP groups and micro steps.
+                sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
+                batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
+                                    vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
+                loss = engine(**batch.as_kwargs())
+                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
+                engine.step()  # the optimizer steps at the last micro step only
+                losses.append(loss.detach())
+                trained = trained + model.last_num_tokens
+                documents, padding = documents + sample.num_documents, padding + sample.padding_tokens
+            trained, documents, padding = _dp_sum([trained, documents, padding], layout)
             # The one host sync of the step: the logged numbers.
-            loss_value = _dp_mean(loss.detach(), layout)
+            loss_value = _dp_mean(torch.stack(losses).mean(), layout)
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
             record = step_logger.log(
                 step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
-                trained_tokens=_dp_sum(model.last_num_tokens, layout), documents=sample.num_documents,
-                padding_share=sample.padding_tokens / cfg.seq_len,
+                # Unpacked windows are one causal stream each: no document count to show.
+                trained_tokens=trained, documents=documents if cfg.packing else 1,
+                padding_share=padding / (cfg.seq_len * global_batch),
             )
-            stream.position += layout.dp_size
+            stream.position += global_batch
             if record is not None:
                 records.append(record)
             done = step + 1
@@ -191,12 +201,14 @@ def _start_wandb(cfg: TrainConfig, out: Path):
                       config=asdict(cfg))
 
 
-def _dp_sum(count: torch.Tensor, layout: ParallelLayout) -> int:
-    """Labels trained this step over all DP groups (each SP group holds its sequence's count)."""
+def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
+    """Counts of the step (labels trained, documents, padding) over all DP groups, in one all-reduce (each SP group
+    holds its own sequences' counts)."""
+    device = next(c for c in counts if isinstance(c, torch.Tensor)).device
+    total = torch.stack([torch.as_tensor(c, device=device, dtype=torch.int64) for c in counts])
     if layout.dp_size > 1:
-        count = count.clone()
-        torch.distributed.all_reduce(count, group=layout.dp_group)
-    return int(count)
+        torch.distributed.all_reduce(total, group=layout.dp_group)
+    return total.tolist()
 
 
 def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:

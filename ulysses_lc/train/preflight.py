@@ -49,6 +49,7 @@ class Checked:
     dtype: torch.dtype
     peft_config: object = None  # --lora-r: the peft LoraConfig the model gets
     trainable_params: int | None = None  # --lora-r: the adapters' parameters (None: every parameter trains)
+    global_batch: int = 1  # sequences per optimizer step: dp_size x gradient accumulation
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> Checked:
@@ -67,12 +68,14 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
     layout = ParallelLayout(world_size, sp_size)  # sizes only, no groups: ValueError when sp does not divide
     # bf16 on GPUs, fp32 on CPU; a dry run predicts the GPU run.
     dtype = torch.bfloat16 if cfg.dry_run or torch.cuda.is_available() else torch.float32
-    # One optimizer step per sequence per DP group: the loop, schedule and checkpoints count in those steps.
-    ds_config = check_deepspeed_config(load_deepspeed_config(cfg.ds_config), layout, gradient_accumulation_steps=1)
-    check_optimizer_block(resolve_precision(ds_config, dtype), cfg.lr, cfg.weight_decay)
     if cfg.seq_len < sp_size:
         raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
     out = None if cfg.dry_run else _check_output(cfg, sp_size, world_size)
+    global_batch = _global_batch(cfg, layout)
+    # The loop, schedule and checkpoints count optimizer steps: global_batch sequences each, ga per DP group.
+    ds_config = check_deepspeed_config(load_deepspeed_config(cfg.ds_config), layout,
+                                       gradient_accumulation_steps=global_batch // layout.dp_size)
+    check_optimizer_block(resolve_precision(ds_config, dtype), cfg.lr, cfg.weight_decay)
     for flag, field, module, extra in OPTIONAL_PACKAGES:
         if getattr(cfg, field):
             try:
@@ -89,7 +92,20 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
         peft_config = lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
         # On the meta device, in seconds: a target the model does not have fails here, before any weight loads.
         _, trainable = count_trainable_parameters(model_config, peft_config)
-    return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable)
+    return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable, global_batch)
+
+
+def _global_batch(cfg: TrainConfig, layout: ParallelLayout) -> int:
+    """Sequences per optimizer step: --global-batch, else one per DP group. ValueError with the fix when dp_size
+    does not divide it."""
+    dp = layout.dp_size
+    global_batch = cfg.global_batch or dp
+    if global_batch % dp == 0:
+        return global_batch
+    fits = sorted({max(dp, global_batch // dp * dp), -(-global_batch // dp) * dp})
+    options = " or ".join(f"--global-batch {n}" for n in fits)
+    raise ValueError(f"--global-batch {global_batch} is not a multiple of dp_size={dp} ({layout.world_size} ranks / sp "
+                     f"{layout.sp_size}): every DP group trains the same number of sequences per step; pass {options}.")
 
 
 def _check_output(cfg: TrainConfig, sp_size: int, world_size: int) -> Path | None:
