@@ -29,7 +29,8 @@ from ..memory import MemoryPlan
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..sharding import shard_batch
-from .run_state import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint, write_run_file
+from ..zero_reshard import universal_config
+from .run_state import latest_checkpoint, load_checkpoint, new_run_dir, resume_line, save_checkpoint, write_run_file
 from .config import TrainConfig
 from .console import RunLogger, layout_line, startup_block
 from .estimate import estimate_memory, job_for, plan_reservations, run_limits
@@ -93,7 +94,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-        config=ds_config, mpu=layout.mpu,
+        # Saved on another world size: the engine reads the ZeRO-3 state through DeepSpeed's universal checkpoint.
+        config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
@@ -115,7 +117,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     if cfg.resume:
         start_step = load_checkpoint(engine, out, stream)
         if rank0:
-            logger.info("resumed from step %d", start_step)
+            logger.info(resume_line(checked.saved, world, sp_size, global_batch))
     elif rank0:
         write_run_file(out, cfg, sp_size, world)
 
@@ -173,7 +175,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
                     f"{cfg.lr:g}) or raise --warmup-steps, and check the data; then continue from the checkpoint "
                     f"with --resume --output-dir {out}.")
             if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints)
+                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints,
+                                layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if on_step is not None:
                 on_step(done, record)
 
