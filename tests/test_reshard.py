@@ -108,8 +108,9 @@ def test_resume_on_other_world_and_sp_sizes_follows_the_uninterrupted_run(saved_
             err = float((weights[key] - ref).detach().norm() / ref.detach().norm())
             assert err <= WEIGHT_RTOL, f"{name}, {key}: relative error {err:.1e}"
         dp = world // sp
-        assert lines == [f"resumed step {SAVE_AT} saved on 2 ranks (sp 2 x dp 1) on {world} rank{'s' * (world > 1)} (sp {sp} x dp {dp}): "
-                         f"ZeRO-3 state resharded, global batch 2 = 1 x ga 2 -> {dp} x ga {2 // dp} (the uninterrupted "
+        ranks = f"{world} rank{'s' * (world > 1)}"
+        assert lines == [f"resumed step {SAVE_AT} saved on 2 ranks (sp 2 x dp 1) on {ranks} (sp {sp} x dp {dp}): ZeRO-3 "
+                         f"state resharded, global batch 2 = 1 x ga 2 -> {dp} x ga {2 // dp} (the uninterrupted "
                          "trajectory)"], lines
 
 
@@ -142,12 +143,17 @@ def test_missing_shards_of_the_saved_ranks_are_named_with_the_fix(saved_run, mon
     monkeypatch.delenv("RANK", raising=False)
     run = tmp_path / "local"
     shutil.copytree(tmp / "full", run)
-    for f in (run / "checkpoints" / f"step{STEPS}").glob("zero_pp_rank_1_*"):
-        f.unlink()
+    tag = run / "checkpoints" / f"step{STEPS}"
+    for f in tag.glob("zero_pp_rank_*_optim_states.pt"):  # named as a bf16 run's (GPU runs) names them
+        f.rename(tag / f"bf16_{f.name}")
     cfg = _config(tmp, output_dir=str(run), resume=True, sp_size=4)
+    preflight(cfg, 4)  # every old rank's files are there
+    for f in tag.glob("*zero_pp_rank_1_*"):
+        f.unlink()
     with pytest.raises(CheckFailed) as e:
         preflight(cfg, 4)
     message = str(e.value)
     assert "all 2 ranks that saved" in message and "2 are not there" in message, message
-    assert "zero_pp_rank_1_mp_rank_00_model_states.pt, zero_pp_rank_1_mp_rank_00_optim_states.pt" in message, message
+    assert "(zero_pp_rank_1_mp_rank_00_model_states.pt, bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt)" in message, message
     assert "gather the checkpoint folder onto one file system that every rank reads" in message, message
+

@@ -92,12 +92,13 @@ def check_complete(tag_dir: Path, partitions: int | None = None) -> None:
     """
     tag_dir = Path(tag_dir)
     partitions = saved_partitions(tag_dir) if partitions is None else partitions
+    bf16 = any(tag_dir.glob(optim_states_names("*")[1]))  # name a missing file as the present ones are named
     missing = []
     for r in range(partitions):
         if not (tag_dir / model_states_name(r)).is_file():
             missing.append(model_states_name(r))
         if not any((tag_dir / name).is_file() for name in optim_states_names(r)):
-            missing.append(optim_states_names(r)[0])
+            missing.append(optim_states_names(r)[bf16])
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ValueError(

@@ -48,7 +48,8 @@ def dry_run(cfg: TrainConfig) -> str:
                                                         cfg.cache_attention_layers)
     estimate = estimate_memory(cfg, checked, plan, num_params, limits)
     layout = ParallelLayout(checked.world_size, checked.sp_size)
-    block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
+    block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch),
+                          num_params=num_params,
                           kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line)
     text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else []) + ["  nothing was loaded"])
     if not estimate.fit.fits:

@@ -108,7 +108,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     estimate = estimate_memory(cfg, checked, plan, num_params, limits)
     if rank0:
         logger.info(startup_block(
-            out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
+            out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
             kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if device.type == "cuda" else "cpu",
             limits_line=limits_line))
     estimate.check()

@@ -188,7 +188,8 @@ def resume_line(saved: dict, world_size: int, sp_size: int, global_batch: int) -
     old_dp = saved["world_size"] // saved["sp_size"] if saved.get("sp_size") else None
     state = ("ZeRO-3 state resharded" if saved["world_size"] != world_size
              else "ZeRO-3 state loaded as saved (the same partitions)")
-    text = f"resumed step {saved['step']} saved on {where(saved['world_size'], saved.get('sp_size'))} on {where(world_size, sp_size)}: {state}, "
+    text = (f"resumed step {saved['step']} saved on {where(saved['world_size'], saved.get('sp_size'))} on "
+            f"{where(world_size, sp_size)}: {state}, ")
     if was == global_batch:
         before = f"{old_dp} x ga {was // old_dp}" if old_dp else "as saved"
         return text + f"global batch {was} = {before} -> {dp} x ga {global_batch // dp} (the uninterrupted trajectory)"
