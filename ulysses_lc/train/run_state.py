@@ -185,6 +185,8 @@ def resume_line(saved: dict, world_size: int, sp_size: int, global_batch: int) -
         return f"{ranks} (sp {sp} x dp {world // sp})" if sp else ranks
 
     was, dp = saved["global_batch"], world_size // sp_size
+    if (saved["world_size"], saved.get("sp_size"), was) == (world_size, sp_size, global_batch):
+        return f"resumed step {saved['step']} on the layout that saved it: {where(world_size, sp_size)}, global batch {was}"
     old_dp = saved["world_size"] // saved["sp_size"] if saved.get("sp_size") else None
     state = ("ZeRO-3 state resharded" if saved["world_size"] != world_size
              else "ZeRO-3 state loaded as saved (the same partitions)")
