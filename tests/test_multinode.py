@@ -117,7 +117,7 @@ def test_two_nodes_on_local_disks_train_save_and_resume_like_one_node(tmp_path, 
     assert not (nodes[1] / "run" / "metrics.jsonl").exists()  # one record of the run: global rank 0's
     resumed = launch_nodes([*MAIN, *ARGS, "--steps", "4", "--sp-size", "2", "--resume"], nodes, launcher="srun")
     _ok(resumed)
-    assert "resumed from step 2" in resumed[0][1] and "2 nodes x 2 ranks: each SP group of 2" in resumed[0][1]
+    assert "resumed step 2 on the layout that saved it" in resumed[0][1] and "2 nodes x 2 ranks: each SP group of 2" in resumed[0][1]
     # fp32 on CPU, the same ranks in the same groups as one node: the same sums in the same order. 1e-6 allows a
     # different gloo algorithm choice, far below a step's change in loss (~5e-2).
     np.testing.assert_allclose(_losses(nodes[0] / "run"), one_node[2], rtol=1e-6)

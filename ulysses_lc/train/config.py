@@ -34,6 +34,7 @@ class TrainConfig:
     packing: bool = False  # whole samples per window, each attending only to itself
     long_samples: str = "split"  # with packing: split | refuse a sample longer than seq_len
     steps: int = 12
+    global_batch: int | None = None  # sequences per optimizer step; None: dp_size (on --resume: the saved run's)
     lr: float = 1e-5
     lr_schedule: str = "cosine"  # constant | linear | cosine
     warmup_steps: int = 1
@@ -79,6 +80,8 @@ class TrainConfig:
             raise ValueError(f"--seq-len {self.seq_len} is too short: a step needs at least 2 tokens.")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps}: train at least one step.")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"--global-batch {self.global_batch}: an optimizer step takes at least one sequence.")
         if self.lr <= 0:
             raise ValueError(f"--lr {self.lr} must be positive.")
         if self.lr_schedule not in SCHEDULES:
@@ -163,6 +166,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--long-samples", choices=["split", "refuse"],
                    help="with --packing: cut a sample longer than --seq-len into pieces, or refuse it (default split)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}; tiny: {t['steps']})")
+    p.add_argument("--global-batch", type=int,
+                   help="sequences per optimizer step, a multiple of dp_size: each DP group accumulates gradients over "
+                        "global-batch / dp_size sequences (default: dp_size; on --resume the saved run's, so a resume "
+                        "on another dp_size follows the same trajectory)")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr}; tiny: {t['lr']})")
     p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=d.lr_schedule,
                    help="decay after warmup, down to --min-lr-ratio x lr")

@@ -52,7 +52,8 @@ def dry_run(cfg: TrainConfig) -> str:
     per_node = local_ranks(checked.world_size, cfg.gpus_per_node)
     layout = ParallelLayout(checked.world_size, checked.sp_size, nodes=nodes_of(checked.world_size, per_node),
                             placement=cfg.sp_placement)
-    block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
+    block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch),
+                          num_params=num_params,
                           kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line)
     text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else []) + ["  nothing was loaded"])
     if not estimate.fit.fits:
