@@ -1,8 +1,9 @@
 """Simulated nodes on one machine: one launcher per node rank, all on 127.0.0.1, as a user starts a job on a cluster.
 
 `launch_nodes` starts `nnodes` launchers (torchrun with --nnodes/--node_rank, or DeepSpeed's runner with --no_ssh
-and --node_rank, which needs no ssh), each in its own working folder when `cwds` names several (node-local disks)
-or all in one (a shared file system), and returns each node's finished process. Every rank of node n sees
+and --node_rank, which needs no ssh), or for launcher "srun" one process per rank with only the variables an srun
+step sets, each node in its own working folder when `cwds` names several (node-local disks) or all in one (a
+shared file system), and returns each node's result. Every rank of node n sees
 the launcher's own node variables (torchrun's GROUP_RANK, DeepSpeed's CROSS_RANK), which is how ulysses_lc tells
 simulated nodes apart when they share a host name.
 """
@@ -42,9 +43,13 @@ def start_nodes(entry: list[str], cwds: list[Path], *, nproc_per_node: int = 2, 
     """Start one launcher per folder in `cwds` (node n runs in cwds[n]); output is piped, stderr into stdout."""
     nnodes = len(cwds)
     port = port or _free_port()
+    if launcher == "srun":
+        return [_srun_task(entry, cwds[rank // nproc_per_node], rank, nnodes, nproc_per_node, port, env)
+                for rank in range(nnodes * nproc_per_node)]
     hostfile = None
     if launcher == "deepspeed":
         # Distinct names for one machine: DeepSpeed's runner only counts slots; --no_ssh starts this node's share.
+        Path(cwds[0]).mkdir(parents=True, exist_ok=True)
         hostfile = Path(cwds[0]) / "hostfile"
         hostfile.write_text("".join(f"node{n} slots={nproc_per_node}\n" for n in range(nnodes)))
     procs = []
@@ -56,9 +61,25 @@ def start_nodes(entry: list[str], cwds: list[Path], *, nproc_per_node: int = 2, 
     return procs
 
 
+def _srun_task(entry, cwd, rank, nnodes, nproc_per_node, port, env) -> subprocess.Popen:
+    """One task of an srun step: SLURM's variables only (no RANK or WORLD_SIZE: ulysses_lc reads SLURM's), with
+    MASTER_PORT given as a user's sbatch script would."""
+    task_env = node_env({
+        "SLURM_STEP_NUM_TASKS": str(nnodes * nproc_per_node), "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % nproc_per_node), "SLURM_NODEID": str(rank // nproc_per_node),
+        "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_STEP_TASKS_PER_NODE": f"{nproc_per_node}(x{nnodes})",
+        "SLURM_JOB_ID": "7", "MASTER_PORT": str(port), **(env or {})})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "GROUP_RANK", "CROSS_RANK"):
+        task_env.pop(name, None)
+    Path(cwd).mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, *entry], cwd=cwd, env=task_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
 def launch_nodes(entry: list[str], cwds: list[Path], *, timeout: float = 600, **kwargs) -> list[tuple[int, str, float]]:
-    """Run the job to its end on simulated nodes; each node's (exit code, output, seconds after the first node ended).
-    A hang guard, not a speed test: `timeout` ends a job that would wait out a collective's timeout."""
+    """Run the job to its end on simulated nodes; each launcher's (exit code, output, seconds after the first one
+    ended): one per node, or under "srun" one per rank. A hang guard, not a speed test: `timeout` ends a job that
+    would wait out a collective's timeout."""
     procs = start_nodes(entry, cwds, **kwargs)
     deadline = time.monotonic() + timeout
     outputs, ended = [""] * len(procs), [None] * len(procs)

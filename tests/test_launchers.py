@@ -40,9 +40,15 @@ def assert_quiet(out: str) -> None:
     assert len(re.findall(r"'eval_loss': \d", out)) == 1, out
 
 
-def test_torchrun_hf_trainer(tmp_path):
-    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}",
-               "examples/hf_trainer.py", "--steps", "2", "--seq-len", "512", "--output-dir", str(tmp_path)])
+def test_torchrun_hf_trainer_on_two_nodes(tmp_path):
+    # The Trainer path on a cluster: torchrun on each of two (simulated) nodes, one rank each, sp 2 over both.
+    from tests._nodes import launch_nodes
+
+    (rc0, out, _), (rc1, out1, _) = launch_nodes(
+        [str(ROOT / "examples" / "hf_trainer.py"), "--steps", "2", "--seq-len", "512", "--output-dir", str(tmp_path)],
+        [tmp_path / "node0", tmp_path / "node1"], nproc_per_node=1, timeout=600)
+    assert rc0 == 0 and rc1 == 0, out[-4000:] + out1[-4000:]
+    assert "ulysses_lc nodes: 2 nodes x 1 rank: SP groups span up to 2 nodes" in out
     assert out.count("'loss'") == 2 and "eval_loss" in out
     assert_quiet(out)
 

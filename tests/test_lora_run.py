@@ -3,6 +3,7 @@ peft; and the dry run's state bytes without optimizer state for the frozen base.
 
 import json
 import os
+import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -77,6 +78,14 @@ def test_lora_run_resumes_its_trajectory_and_exports_the_adapter(tmp_path):
         assert (want - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters trained
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+    # The same step-2 checkpoint, saved on 2 ranks without its frozen base, resumes on 1 rank: the adapters' ZeRO-3
+    # state resharded (tests/test_reshard.py states the tolerance; fp32 reduction order only).
+    one = tmp_path / "one-rank"
+    shutil.copytree(run, one, ignore=shutil.ignore_patterns("step3", "step4", "hf_export"))
+    (one / "checkpoints" / "latest").write_text("step2")
+    resharded = losses_of(run_distributed(train_worker, 1, replace(cfg, output_dir=str(one), resume=True, export=False))[0])
+    np.testing.assert_allclose(resharded, losses[2:], rtol=1e-6)
 
 
 def test_lora_dry_run_counts_no_optimizer_state_for_the_frozen_base(tmp_path):

@@ -4,13 +4,20 @@ Each launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT bef
 `python script.py` sets none of them. `deepspeed.init_distributed` then tries MPI discovery (and stops with
 "No module named 'mpi4py'" where mpi4py is not installed), so here a single process gets its defaults
 instead and MPI discovery stays off: a job started by mpirun goes through `deepspeed --launcher openmpi`, which
-sets the variables too.
+sets the variables too. Under SLURM's `srun` (one task per GPU, no other launcher: `srun python train_1m.py`, or
+`deepspeed --launcher slurm`, whose tasks get no torch variables either) they are read from SLURM's
+(`slurm_variables`).
+
+Nodes: `node_id` names the node this rank runs on, from the host name and the launcher's node index, so that
+the SP groups can be placed inside nodes (layout.py) and files written once per node or once per shared folder
+(train/files.py), also for simulated nodes that share one host name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sys
 
@@ -25,10 +32,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The launcher's index of this rank's node: torchrun (GROUP_RANK), DeepSpeed's per-node launcher (CROSS_RANK), srun.
+NODE_INDEX_VARIABLES = ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID")
+SLURM_PORT_BASE = 20000  # srun without MASTER_PORT: a port every task derives from the job id alike
+
+
+def node_id() -> str:
+    """This rank's node: the host name, and the launcher's node index where it sets one ("gpu-07", "gpu-07/1").
+    Ranks with the same id share a node's memory, disks and fast links."""
+    host = socket.gethostname()
+    for name in NODE_INDEX_VARIABLES:
+        if os.environ.get(name, "") != "":
+            return f"{host}/{os.environ[name]}"
+    return host
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compact host list as names: "gpu[01-03,07],login1" -> gpu01 gpu02 gpu03 gpu07 login1."""
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            for n in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{n:0{len(first)}d}")
+    return hosts
+
+
+def _tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """SLURM_STEP_TASKS_PER_NODE ("8(x2),4") for node index `node`."""
+    counts = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
+        counts += [int(count)] * int(repeat or 1)
+    return counts[node]
+
+
+def slurm_variables(env=os.environ) -> dict[str, str] | None:
+    """torch's launcher variables for a task of an `srun` step (SLURM_STEP_NUM_TASKS is set only inside one: a
+    batch script's own process, where SLURM_NTASKS names the whole allocation, is one process), or None.
+    MASTER_ADDR: the step's first node unless set; MASTER_PORT: unless set, one port derived from the job id."""
+    if "SLURM_STEP_NUM_TASKS" not in env or "SLURM_PROCID" not in env:
+        return None
+    node = int(env.get("SLURM_NODEID", "0"))
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or env["SLURM_STEP_NUM_TASKS"]
+    return {
+        "RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(_tasks_on_node(per_node, node)),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or expand_nodelist(nodelist)[0],
+        "MASTER_PORT": env.get("MASTER_PORT") or str(SLURM_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % 20000),
+    }
+
+
 def single_process_defaults() -> bool:
-    """Fill the launcher variables for one process when no launcher set them; True when it did."""
+    """Fill the launcher variables where no launcher set them: from SLURM's inside an srun step, else for one
+    process; True when it filled them."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return False
+    slurm = slurm_variables()
+    if slurm is not None:
+        os.environ.update(slurm)
+        return True
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -52,8 +118,21 @@ def init_distributed(backend: str | None = None) -> None:
 
     if not torch.distributed.is_initialized():
         single_process_defaults()
+    bind_cuda_device()
     with _without_shm_comm_op():
         deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+
+
+def bind_cuda_device() -> None:
+    """Make this rank's GPU (LOCAL_RANK) the current CUDA device, where there are GPUs and none was chosen.
+
+    NCCL's object collectives (all_gather_object, broadcast_object_list: the layout's node ids, the run folder's
+    name) run on the current device: left at cuda:0 on every rank, ranks of one node collide on one GPU."""
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return
+    local = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
+    if torch.cuda.current_device() == 0 and local != 0:  # still the default: nobody chose one
+        torch.cuda.set_device(local)
 
 
 @contextlib.contextmanager
@@ -116,10 +195,24 @@ def destroy_distributed() -> None:
 
 
 def world_size() -> int:
-    """Ranks in this job: the process group's, else the launcher's WORLD_SIZE, else 1 (no process group needed)."""
+    """Ranks in this job: the process group's, else the launcher's WORLD_SIZE (or an srun step's), else 1."""
     if torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    slurm = slurm_variables()
+    return int(slurm["WORLD_SIZE"]) if slurm else 1
 
 
-__all__ = ["default_backend", "destroy_distributed", "init_distributed", "single_process_defaults", "world_size"]
+def local_world_size() -> int | None:
+    """Ranks on this node as the launcher started them (LOCAL_WORLD_SIZE, DeepSpeed's LOCAL_SIZE, an srun
+    step's), or None where no launcher says."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    slurm = slurm_variables()
+    return int(slurm["LOCAL_WORLD_SIZE"]) if slurm else None
+
+
+__all__ = ["bind_cuda_device", "default_backend", "destroy_distributed", "expand_nodelist", "init_distributed", "local_world_size",
+           "node_id", "single_process_defaults", "slurm_variables", "world_size"]

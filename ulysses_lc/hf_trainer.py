@@ -66,7 +66,7 @@ class ShardingCollator:
 
     def __init__(self, collator, layout: ParallelLayout, vocab_size: int, pad_token_id: int):
         self.collator = collator
-        self.layout = ParallelLayout(layout.world_size, layout.sp_size, layout.rank)
+        self.layout = layout.without_groups()
         self.vocab_size = vocab_size
         self.pad_token_id = pad_token_id
 
@@ -210,10 +210,11 @@ class UlyssesTrainerMixin:
       seq_len: the longest sequence the run trains, for the memory plan and the YaRN check (default: TRL's
         max_length, else the first batch's length, the longest over ranks).
       levers: keyword arguments for SequenceParallelCausalLM (kernel, chunked_loss, tiled_mlp, offload, ...).
+      sp_placement: "node" (SP groups inside a node, DP across nodes; default) or "across" (layout.py).
     """
 
     def __init__(self, *args, sp_size: int | None = None, seq_len: int | None = None, levers: dict | None = None,
-                 **kwargs):
+                 sp_placement: str = "node", **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         model = kwargs.get("model", args[0] if args else None)
         seq_len = seq_len or getattr(training_args, "max_length", None)
@@ -226,7 +227,9 @@ class UlyssesTrainerMixin:
             raise ValueError(f"accelerate sees {self.accelerator.num_processes} process(es) but torch.distributed has "
                              f"{torch.distributed.get_world_size()}: on CPU pass use_cpu=True in the TrainingArguments "
                              "(or start with accelerate launch --cpu).")
-        layout = ParallelLayout.build(_sp_size_from(self.args, sp_size))
+        layout = ParallelLayout.build(_sp_size_from(self.args, sp_size), placement=sp_placement)
+        if layout.rank == 0 and layout.num_nodes > 1:  # a warning where the all-to-all leaves the node: it costs
+            (logger.warning if layout.sp_group_nodes > 1 else logger.info)("ulysses_lc nodes: %s", layout.placement_line())
         check_deepspeed_config({k: v for k, v in self.args.hf_deepspeed_config.config.items()
                                 if k not in ("train_batch_size", "gradient_accumulation_steps")}, layout)
         check_model_for_ulysses(self.model.config, layout.sp_size)

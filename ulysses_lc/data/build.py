@@ -38,6 +38,7 @@ def build_token_stream(
     pack_buffer: int = 4,
     cache_dir: str | os.PathLike | None = None,
     local_rank: int | None = None,
+    builder: bool | None = None,
     seed: int = 0,
     bin_dtype: str = "uint32",
     chunk_chars: int = DEFAULT_CHUNK_CHARS,
@@ -64,6 +65,9 @@ def build_token_stream(
     local_rank: this process's rank on its node (default: $LOCAL_RANK, else 0). Rank 0 builds
         the cache; the others wait (torch.distributed barrier when initialised, so every rank
         must call this; else polling for the meta file) and then read it.
+    builder: whether this process builds the cache (default: local_rank == 0, one builder per node). A job whose
+        nodes share the cache folder passes `train.files.folder_owner(cache_dir, layout).writes`, so that one
+        rank of the job builds it; builders of different jobs on one key take turns (a lock beside the cache).
     seed: which generated books the `tiny` source writes.
     A source with fewer tokens (packed: windows) than `num_steps` windows but at least one is used
     with wrap-around (a warning says after how many steps); none is a ValueError.
@@ -112,7 +116,7 @@ def build_token_stream(
 
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank == 0:
+    if builder if builder is not None else local_rank == 0:
         if settings is None:
             build = lambda: _tokenize_text(src, tokenizer, want, chunk_chars, progress)  # noqa: E731
         else:

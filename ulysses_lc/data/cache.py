@@ -1,9 +1,13 @@
-"""The on-disk token cache: one file of tokens plus a JSON meta file per key, built by local rank 0.
+"""The on-disk token cache: one file of tokens plus a JSON meta file per key, built by one rank.
 
-A rerun memory-maps the cache in seconds. On each node only local rank 0 builds; the other ranks
-wait for the meta file (written last) and then map the same file.
+A rerun memory-maps the cache in seconds. One rank builds (each node's local rank 0, or one rank of the job where
+its nodes share the folder: train/files.py); the other ranks wait for the meta file (written last) and then map
+the same file. Builders of different jobs on one key take turns under a lock file beside the cache (flock), and
+the second finds the first's cache complete.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -50,6 +54,27 @@ class CachePaths:
     def error(self) -> Path:
         return self.folder / f"{self.key}.error"
 
+    @property
+    def lock(self) -> Path:
+        return self.folder / f"{self.key}.lock"
+
+
+@contextlib.contextmanager
+def build_lock(paths: CachePaths):
+    """Hold an exclusive flock on the key's lock file: one builder at a time across processes and, where the file
+    system supports flock (local disks, NFSv4; Lustre mounted with -o flock), across nodes. Where it refuses
+    flock the build goes on unlocked: the atomic writes keep a second builder's identical files safe."""
+    with open(paths.lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(f, fcntl.LOCK_UN)
+
 
 def atomic_write(path: Path, write) -> None:
     # A unique temporary name + rename: readers never see a half-written file, and two nodes
@@ -92,22 +117,10 @@ def build_or_reuse(paths: CachePaths, build, key_fields: dict) -> bool:
     try:
         paths.folder.mkdir(parents=True, exist_ok=True)
         paths.error.unlink(missing_ok=True)
-        hit = cache_complete(paths)
-        if not hit:
-            started = time.time()
-            arrays, stats = build()
-            meta = {
-                **key_fields,
-                "key": paths.key,
-                "dtype": CACHE_DTYPE.str,
-                "num_tokens": int(len(arrays["tokens"])),
-                "arrays": {name: {"dtype": a.dtype.str, "length": int(len(a))} for name, a in arrays.items()},
-                "build_seconds": round(time.time() - started, 3),
-                **stats,
-            }
-            for name, array in arrays.items():
-                atomic_write(paths.array(name), lambda f, a=array: f.write(np.ascontiguousarray(a).tobytes()))
-            atomic_write(paths.meta, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        with build_lock(paths):
+            hit = cache_complete(paths)  # under the lock: another job's builder may have just finished it
+            if not hit:
+                _build(paths, build, key_fields)
     except BaseException as e:
         # Tell the waiting ranks, so they fail now instead of at their timeout.
         try:
@@ -119,6 +132,24 @@ def build_or_reuse(paths: CachePaths, build, key_fields: dict) -> bool:
     if dist is not None:
         dist.barrier()
     return hit
+
+
+def _build(paths: CachePaths, build, key_fields: dict) -> None:
+    """Run `build` and write its arrays, then the meta file last (its presence marks the cache complete)."""
+    started = time.time()
+    arrays, stats = build()
+    meta = {
+        **key_fields,
+        "key": paths.key,
+        "dtype": CACHE_DTYPE.str,
+        "num_tokens": int(len(arrays["tokens"])),
+        "arrays": {name: {"dtype": a.dtype.str, "length": int(len(a))} for name, a in arrays.items()},
+        "build_seconds": round(time.time() - started, 3),
+        **stats,
+    }
+    for name, array in arrays.items():
+        atomic_write(paths.array(name), lambda f, a=array: f.write(np.ascontiguousarray(a).tobytes()))
+    atomic_write(paths.meta, lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
 def _initialized_dist():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..explicit_attention import valid_head_groups
 from ..data.settings import DataSettings
 from ..kernels import KERNELS
+from ..layout import PLACEMENTS
 from .schedule import SCHEDULES
 
 TINY = "tiny"
@@ -25,6 +26,7 @@ class TrainConfig:
     model: str = "Qwen/Qwen3-8B"
     seq_len: int = 1_048_576
     sp_size: int | None = None  # None: every rank in one SP group
+    sp_placement: str = "node"  # node: SP groups inside a node, DP across nodes; across: the reverse (layout.py)
     data: str = "pg19"
     text_column: str | None = None  # None: messages, then prompt + completion, then text (data/samples.py)
     data_config: str | None = None  # a hub dataset's config name
@@ -32,6 +34,7 @@ class TrainConfig:
     packing: bool = False  # whole samples per window, each attending only to itself
     long_samples: str = "split"  # with packing: split | refuse a sample longer than seq_len
     steps: int = 12
+    global_batch: int | None = None  # sequences per optimizer step; None: dp_size (on --resume: the saved run's)
     lr: float = 1e-5
     lr_schedule: str = "cosine"  # constant | linear | cosine
     warmup_steps: int = 1
@@ -60,6 +63,7 @@ class TrainConfig:
     export_merged: bool = False  # with LoRA: also write the adapters merged into the base weights
     dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
     world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
+    gpus_per_node: int | None = None  # --dry-run only: GPUs per node (default: this launch's, else up to 8)
     gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default 149, an H200)
     host_memory_gb: float | None = None  # host memory per rank (default: the node's over its local ranks)
     max_seq_len: bool = False  # --dry-run only: find the longest --seq-len that fits
@@ -77,6 +81,8 @@ class TrainConfig:
             raise ValueError(f"--seq-len {self.seq_len} is too short: a step needs at least 2 tokens.")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps}: train at least one step.")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"--global-batch {self.global_batch}: an optimizer step takes at least one sequence.")
         if self.lr <= 0:
             raise ValueError(f"--lr {self.lr} must be positive.")
         if self.lr_schedule not in SCHEDULES:
@@ -92,6 +98,11 @@ class TrainConfig:
             value = getattr(self, flag)
             if value is not None and value <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} {value} must be positive (GB per GPU / per rank).")
+        if self.sp_placement not in PLACEMENTS:
+            raise ValueError(f"--sp-placement {self.sp_placement!r}: pick node (SP groups inside a node, DP across "
+                             "nodes) or across (SP over nodes, DP inside each).")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node {self.gpus_per_node} must be >= 1.")
         if self.node_timeout_s < 5:
             raise ValueError(f"--node-timeout-s {self.node_timeout_s:g} is too short: heartbeats come once a second, "
                              "and a loaded node may miss a few; give 5 or more (default 60).")
@@ -142,6 +153,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int,
                    help=f"tokens per sequence, one sequence per step (default {d.seq_len:,}; tiny: {t['seq_len']:,})")
     p.add_argument("--sp-size", type=int, help="ranks sharing one sequence (default: all ranks; DP over the rest)")
+    p.add_argument("--sp-placement", choices=list(PLACEMENTS), default=d.sp_placement,
+                   help="node (default): each SP group inside one node, so the all-to-all stays on NVLink, DP across "
+                        "nodes; SP groups span nodes only where --sp-size exceeds the GPUs per node. across: SP over "
+                        "the nodes, DP inside each")
     p.add_argument("--data", help="'pg19', a hub dataset 'org/name[:split]', a .jsonl/.json/.parquet/.arrow/.csv file "
                                   "or a folder of them, a .txt file or folder of .txt, a .npy/.bin of token ids, or 'tiny'")
     p.add_argument("--text-column", help="column of plain text (default: messages, then prompt/completion, then text)")
@@ -155,6 +170,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--long-samples", choices=["split", "refuse"],
                    help="with --packing: cut a sample longer than --seq-len into pieces, or refuse it (default split)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}; tiny: {t['steps']})")
+    p.add_argument("--global-batch", type=int,
+                   help="sequences per optimizer step, a multiple of dp_size: each DP group accumulates gradients over "
+                        "global-batch / dp_size sequences (default: dp_size; on --resume the saved run's, so a resume "
+                        "on another dp_size follows the same trajectory)")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr}; tiny: {t['lr']})")
     p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=d.lr_schedule,
                    help="decay after warmup, down to --min-lr-ratio x lr")
@@ -201,6 +220,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="run every check and print the memory plan and predicted GPU and host memory per rank; "
                         "loads no weights and touches no GPU")
     p.add_argument("--world-size", type=int, help="--dry-run: GPUs to plan for (default: this launch's)")
+    p.add_argument("--gpus-per-node", type=int,
+                   help="--dry-run: GPUs per node, for the SP groups' placement and the host memory each rank "
+                        "shares (default: this launch's, else --world-size up to 8)")
     p.add_argument("--gpu-memory-gb", type=float, help="--dry-run: memory per GPU (default 149, an H200)")
     p.add_argument("--host-memory-gb", type=float,
                    help="host memory per rank the plan may use, offloaded state and activations included (default: "

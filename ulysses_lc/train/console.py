@@ -51,9 +51,16 @@ class RunLogger(StepLogger):
             self._wandb = None
 
 
-def layout_line(layout) -> str:
-    return (f"{layout.world_size} ranks = sp {layout.sp_size} (ranks sharing one sequence) x dp {layout.dp_size} "
-            "(sequences per step)")
+def layout_line(layout, global_batch: int | None = None) -> str:
+    """The layout, the gradient accumulation where an optimizer step takes more sequences than DP groups, and on
+    its own line of the block where the SP groups sit (inside a node or across nodes)."""
+    ga = (global_batch or layout.dp_size) // layout.dp_size
+    line = f"{layout.world_size} ranks = sp {layout.sp_size} (ranks sharing one sequence) x dp {layout.dp_size} "
+    if ga == 1:
+        line += "(sequences per step)"
+    else:
+        line += f"(sequences per micro step) x ga {ga} = global batch {global_batch} (sequences per step)"
+    return line + f"\n  nodes     {layout.placement_line()}"
 
 
 def _plan_reason(cfg, device: str, estimate) -> str:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..distributed import world_size
-from ..layout import ParallelLayout
+from ..layout import ParallelLayout, nodes_of
 from .config import TrainConfig
 from .console import layout_line, startup_block
-from .estimate import DoesNotFit, count_params, estimate_memory, job_for, limits_for
+from .estimate import DoesNotFit, count_params, estimate_memory, job_for, limits_for, local_ranks
 from .preflight import preflight
 
 
@@ -22,7 +22,8 @@ def dry_run(cfg: TrainConfig) -> str:
     """Every check, the memory plan, the predicted GPU and host memory per rank and step time, as text; loads no
     weights, starts no process group and touches no GPU. World size: cfg.world_size, else this launch's. Limits
     per rank: cfg.gpu_memory_gb (default an H200's), cfg.host_memory_gb (default: HOST_HEADROOM of this machine's
-    memory over its local ranks: launched, the launcher's count, else the world size up to 8). cfg.max_seq_len:
+    memory over its local ranks: cfg.gpus_per_node, else the launcher's count, else the world size up to 8). The
+    SP groups' placement (inside a node or across) follows cfg.gpus_per_node and cfg.sp_placement. cfg.max_seq_len:
     plan at the longest sequence that fits instead of cfg.seq_len. DoesNotFit (a CheckFailed) when the plan does
     not fit; its `report` is the text this would have returned."""
     ranks = cfg.world_size or world_size()
@@ -47,8 +48,12 @@ def dry_run(cfg: TrainConfig) -> str:
     plan = job.plan(cfg.seq_len, limits).with_overrides(cfg.recompute_layers, cfg.keep_on_gpu,
                                                         cfg.cache_attention_layers)
     estimate = estimate_memory(cfg, checked, plan, num_params, limits)
-    layout = ParallelLayout(checked.world_size, checked.sp_size)
-    block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
+    # Nodes as a launcher numbers them (each node's ranks together): where the SP groups will sit.
+    per_node = local_ranks(checked.world_size, cfg.gpus_per_node)
+    layout = ParallelLayout(checked.world_size, checked.sp_size, nodes=nodes_of(checked.world_size, per_node),
+                            placement=cfg.sp_placement)
+    block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch),
+                          num_params=num_params,
                           kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line)
     text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else []) + ["  nothing was loaded"])
     if not estimate.fit.fits:

@@ -11,9 +11,9 @@ and the refusal of a plan that does not fit (the dry run's and the run's alike).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from ..distributed import local_world_size
 from ..memory import optimizer_reserved_bytes
 from ..memory_model import HOST_HEADROOM
 from ..shape import ModelShape
@@ -69,16 +69,20 @@ def job_for(cfg, checked, num_params: int) -> Job:
                               trainable_params=checked.trainable_params)
 
 
-def local_ranks(world_size: int) -> int:
-    """Ranks sharing this node's host memory: the launcher's count (torchrun LOCAL_WORLD_SIZE, deepspeed
-    LOCAL_SIZE), else a dry run's world size up to one 8-GPU node."""
-    launched = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-    return int(launched) if launched else min(world_size, GPUS_PER_NODE)
+def local_ranks(world_size: int, gpus_per_node: int | None = None) -> int:
+    """Ranks sharing one node's host memory: gpus_per_node (the dry run's --gpus-per-node; the run's count of
+    ranks on its node), else the launcher's count (torchrun LOCAL_WORLD_SIZE, deepspeed LOCAL_SIZE, an srun
+    step's), else a dry run's world size up to one 8-GPU node."""
+    if gpus_per_node:
+        return min(gpus_per_node, world_size)
+    launched = local_world_size()
+    return launched if launched else min(world_size, GPUS_PER_NODE)
 
 
-def limits_for(cfg, world_size: int, gpu_bytes: float | None = None) -> tuple[Limits, str]:
+def limits_for(cfg, world_size: int, gpu_bytes: float | None = None, ranks_here: int | None = None) -> tuple[Limits, str]:
     """(Limits per rank, a line saying where they come from). gpu_bytes: the GPU's total (the run); the dry run's
-    comes from --gpu-memory-gb. Host: --host-memory-gb, else HOST_HEADROOM of this node's memory over its ranks."""
+    comes from --gpu-memory-gb. Host: --host-memory-gb, else HOST_HEADROOM of this node's memory over its ranks
+    (ranks_here: the run's count on this node; the dry run's from --gpus-per-node or the launcher)."""
     import psutil
 
     gpu = gpu_bytes if gpu_bytes is not None else (cfg.gpu_memory_gb or DEFAULT_GPU_GB) * GB
@@ -86,7 +90,7 @@ def limits_for(cfg, world_size: int, gpu_bytes: float | None = None) -> tuple[Li
     if cfg.host_memory_gb:
         host, host_src = cfg.host_memory_gb * GB, "--host-memory-gb"
     else:
-        ranks = local_ranks(world_size)
+        ranks = ranks_here or local_ranks(world_size, cfg.gpus_per_node)
         total = psutil.virtual_memory().total
         host = HOST_HEADROOM * total / ranks
         host_src = (f"{HOST_HEADROOM:.0%} of this machine's {total / GB:.0f} GB over {ranks} local rank"
@@ -118,7 +122,8 @@ def run_limits(cfg, checked, device, layout) -> tuple[Limits, str] | None:
 
     if device.type != "cuda":
         return None
-    limits, line = limits_for(cfg, checked.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1])
+    limits, line = limits_for(cfg, checked.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1],
+                              ranks_here=layout.ranks_on_node())
     both = torch.tensor([limits.gpu_bytes, limits.host_bytes], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
     return Limits(float(both[0]), float(both[1])), line

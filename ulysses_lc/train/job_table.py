@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# The launcher's node index, which tells simulated nodes on one host apart: torchrun, DeepSpeed's runner, srun.
-NODE_VARIABLES = ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID")
+from ..distributed import NODE_INDEX_VARIABLES
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def record_for_launcher(text: str) -> None:
 
 
 def _launcher_node() -> int | None:
-    for name in NODE_VARIABLES:
+    for name in NODE_INDEX_VARIABLES:  # tells simulated nodes on one host apart
         value = os.environ.get(name)
         if value is not None and value.isdigit():
             return int(value)

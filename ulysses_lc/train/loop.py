@@ -1,4 +1,4 @@
-"""The training loop behind examples/train_1m.py: one long sequence per step, on DeepSpeed ZeRO-3.
+"""The training loop behind examples/train_1m.py: long sequences, one per DP group per micro step, on DeepSpeed ZeRO-3.
 
 Every piece is a library call a user can take on its own (see examples/embed_in_your_loop.py); this
 module strings them together with the run's bookkeeping: checks before any heavy work, the token
@@ -24,17 +24,20 @@ from pathlib import Path
 import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
+from ..data.cache import default_cache_dir
 from ..distributed import init_distributed, world_size
 from ..layout import ParallelLayout
-from ..memory import MemoryPlan
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..sharding import shard_batch
-from .run_state import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint, write_run_file
+from ..zero_reshard import universal_config
+from .run_state import (check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line, save_checkpoint,
+                        write_run_file)
 from .config import TrainConfig
 from .console import RunLogger, layout_line, startup_block
 from .estimate import estimate_memory, job_for, plan_reservations, run_limits
 from .export import EXPORT_DIR, export_hf_model
+from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
 from .preflight import preflight
@@ -63,15 +66,12 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
             raise  # nobody to agree with, and no process group to start
         failure = e
     init_distributed()  # any launcher, or one process under plain python
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the first collective: NCCL's is on the current device
     # Every rank's checks agreed (one failed on one node's disk fails every rank, naming it), then the watch that
-    # ends every node's ranks when one fails, for as long as the run lasts.
+    # ends every node's ranks when one fails, for as long as the run lasts. init_distributed bound this rank's GPU,
+    # on which NCCL runs the agreement's object collective.
     watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
     try:
-        records = _train(cfg, checked, device, local_rank, on_step)
+        records = _train(cfg, checked, on_step)
     except BaseException:
         watch.stop(clean=False)
         raise
@@ -79,23 +79,37 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, device: torch.device, local_rank: int, on_step) -> list[dict]:
+def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
     import deepspeed
 
-    layout = ParallelLayout.build(checked.sp_size)
+    layout = ParallelLayout.build(checked.sp_size, placement=cfg.sp_placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
+    global_batch = checked.global_batch
+    grad_accum = global_batch // layout.dp_size  # micro steps per optimizer step, each DP group one sequence each
     rank0 = layout.rank == 0
-    out = checked.out if checked.out is not None else _agree_on_new_run_dir(cfg.model, layout)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # One run folder for the whole job (rank 0's), then who writes what in it and in the token cache: once per
+    # folder, whether the nodes share one file system or each has its own disk (files.py).
+    out = agree_on_run_dir(checked.out, lambda: new_run_dir(cfg.model), layout)
+    if cfg.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
+        check_output_dir(cfg, sp_size, world, out)
+    run_files = folder_owner(out, layout)
+    cache_files = folder_owner(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), layout)
     if rank0:
-        logger.info("%s %s", "resuming" if cfg.resume else "writing to", out)
+        logger.info("%s %s%s", "resuming" if cfg.resume else "writing to", out,
+                    "" if layout.num_nodes == 1 else f" (run folder {run_files.describe()}, token cache "
+                    f"{cache_files.describe()})")
 
     tokenizer = load_tokenizer(cfg.model)
     data_settings = cfg.data_settings.kwargs()
     # A missing path, column or completion fails here, on the first rows, before any weights load.
     check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
     stream = build_token_stream(
-        cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * layout.dp_size, cache_dir=cfg.cache_dir,
-        local_rank=local_rank, progress=rank0, **data_settings,
+        cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * global_batch, cache_dir=cfg.cache_dir,
+        builder=cache_files.writes, progress=rank0, **data_settings,
     )
 
     torch.manual_seed(cfg.seed)
@@ -112,7 +126,8 @@ def _train(cfg: TrainConfig, checked, device: torch.device, local_rank: int, on_
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
-        config=ds_config, mpu=layout.mpu,
+        # Saved on another world size: the engine reads the ZeRO-3 state through DeepSpeed's universal checkpoint.
+        config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
@@ -125,17 +140,17 @@ def _train(cfg: TrainConfig, checked, device: torch.device, local_rank: int, on_
     estimate = estimate_memory(cfg, checked, plan, num_params, limits)
     if rank0:
         logger.info(startup_block(
-            out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout), num_params=num_params,
+            out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
             kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if device.type == "cuda" else "cpu",
             limits_line=limits_line))
     estimate.check()
 
     start_step = 0
     if cfg.resume:
-        start_step = load_checkpoint(engine, out, stream)
+        start_step = load_checkpoint(engine, out, stream, layout)
         if rank0:
-            logger.info("resumed from step %d", start_step)
-    elif rank0:
+            logger.info(resume_line(checked.saved, world, sp_size, global_batch))
+    elif run_files.writes:
         write_run_file(out, cfg, sp_size, world)
 
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size. Without a
@@ -145,33 +160,41 @@ def _train(cfg: TrainConfig, checked, device: torch.device, local_rank: int, on_
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     records = []
     with RunLogger(
-        out, cfg.steps, tokens_per_step=cfg.seq_len * layout.dp_size, world_size=sp_size, flops=flops,
+        out, cfg.steps, tokens_per_step=cfg.seq_len * global_batch, world_size=sp_size, flops=flops,
         peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=cfg.tensorboard,
         wandb_run=_start_wandb(cfg, out) if rank0 and cfg.wandb_project else None,
     ) as step_logger:
         for step in range(start_step, cfg.steps):
-            # DP group j takes window position + j; the position then moves past all DP groups' windows.
-            sample = stream.sample(stream.position + layout.dp_rank)
-            batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
-                                vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            loss = engine(**batch.as_kwargs())
-            engine.backward(loss)
-            engine.step()
+            losses, trained, documents, padding = [], 0, 0, 0
+            for micro in range(grad_accum):
+                # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
+                # global_batch sequences however they are split over DP groups and micro steps.
+                sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
+                batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
+                                    vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
+                loss = engine(**batch.as_kwargs())
+                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
+                engine.step()  # the optimizer steps at the last micro step only
+                losses.append(loss.detach())
+                trained = trained + model.last_num_tokens
+                documents, padding = documents + sample.num_documents, padding + sample.padding_tokens
+            trained, documents, padding = _dp_sum([trained, documents, padding], layout)
             # The one host sync of the step: the logged numbers.
-            loss_value = _dp_mean(loss.detach(), layout)
+            loss_value = _dp_mean(torch.stack(losses).mean(), layout)
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
             record = step_logger.log(
                 step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
-                trained_tokens=_dp_sum(model.last_num_tokens, layout), documents=sample.num_documents,
-                padding_share=sample.padding_tokens / cfg.seq_len,
+                # Unpacked windows are one causal stream each: no document count to show.
+                trained_tokens=trained, documents=documents if cfg.packing else 1,
+                padding_share=padding / (cfg.seq_len * global_batch),
             )
-            stream.position += layout.dp_size
+            stream.position += global_batch
             if record is not None:
                 records.append(record)
             done = step + 1
@@ -184,7 +207,8 @@ def _train(cfg: TrainConfig, checked, device: torch.device, local_rank: int, on_
                     f"{cfg.lr:g}) or raise --warmup-steps, and check the data; then continue from the checkpoint "
                     f"with --resume --output-dir {out}.")
             if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints)
+                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints, writes=run_files.writes,
+                                layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if on_step is not None:
                 on_step(done, record)
 
@@ -196,13 +220,6 @@ def _train(cfg: TrainConfig, checked, device: torch.device, local_rank: int, on_
     return records
 
 
-def _agree_on_new_run_dir(model: str, layout: ParallelLayout) -> Path:
-    """Rank 0 names the new run directory and tells the others (their clocks may straddle a second)."""
-    name = [str(new_run_dir(model)) if layout.rank == 0 else None]
-    torch.distributed.broadcast_object_list(name, src=0, group=layout.world_group)
-    return Path(name[0])
-
-
 def _start_wandb(cfg: TrainConfig, out: Path):
     import wandb
 
@@ -212,12 +229,14 @@ def _start_wandb(cfg: TrainConfig, out: Path):
                       config=asdict(cfg))
 
 
-def _dp_sum(count: torch.Tensor, layout: ParallelLayout) -> int:
-    """Labels trained this step over all DP groups (each SP group holds its sequence's count)."""
+def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
+    """Counts of the step (labels trained, documents, padding) over all DP groups, in one all-reduce (each SP group
+    holds its own sequences' counts)."""
+    device = next(c for c in counts if isinstance(c, torch.Tensor)).device
+    total = torch.stack([torch.as_tensor(c, device=device, dtype=torch.int64) for c in counts])
     if layout.dp_size > 1:
-        count = count.clone()
-        torch.distributed.all_reduce(count, group=layout.dp_group)
-    return int(count)
+        torch.distributed.all_reduce(total, group=layout.dp_group)
+    return total.tolist()
 
 
 def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:

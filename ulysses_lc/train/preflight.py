@@ -21,7 +21,8 @@ from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deep
 from ..layout import ParallelLayout
 from ..peft_support import count_trainable_parameters, lora_config
 from ..yarn import apply_yarn
-from .run_state import check_output_dir, find_latest_run
+from ..zero_reshard import check_complete
+from .run_state import CHECKPOINT_DIR, check_output_dir, find_latest_run, latest_tag, saved_layout
 from .config import TrainConfig
 from .loading import load_model_config
 
@@ -57,6 +58,13 @@ class Checked:
     dtype: torch.dtype
     peft_config: object = None  # --lora-r: the peft LoraConfig the model gets
     trainable_params: int | None = None  # --lora-r: the adapters' parameters (None: every parameter trains)
+    global_batch: int = 1  # sequences per optimizer step: dp_size x gradient accumulation
+    saved: dict | None = None  # --resume: the checkpoint's layout (run_state.saved_layout)
+
+    @property
+    def resharded(self) -> bool:
+        """The checkpoint's ZeRO-3 state is cut for another world size (zero_reshard.py)."""
+        return self.saved is not None and self.saved["world_size"] != self.world_size
 
 
 def outcome(failure: BaseException | None) -> tuple[bool, str] | None:
@@ -100,12 +108,18 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
     layout = ParallelLayout(world_size, sp_size)  # sizes only, no groups: ValueError when sp does not divide
     # bf16 on GPUs, fp32 on CPU; a dry run predicts the GPU run.
     dtype = torch.bfloat16 if cfg.dry_run or torch.cuda.is_available() else torch.float32
-    # One optimizer step per sequence per DP group: the loop, schedule and checkpoints count in those steps.
-    ds_config = check_deepspeed_config(load_deepspeed_config(cfg.ds_config), layout, gradient_accumulation_steps=1)
-    check_optimizer_block(resolve_precision(ds_config, dtype), cfg.lr, cfg.weight_decay)
     if cfg.seq_len < sp_size:
         raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
     out = None if cfg.dry_run else _check_output(cfg, sp_size, world_size)
+    saved = saved_layout(out, int(os.environ.get("RANK", "0"))) if cfg.resume and out is not None else None
+    if saved is not None and saved["world_size"] != world_size:
+        # Every old rank's ZeRO-3 file is read to reshard: missing ones fail here, on every rank, in seconds.
+        check_complete(out / CHECKPOINT_DIR / latest_tag(out), saved["world_size"])
+    global_batch = _global_batch(cfg, layout, saved)
+    # The loop, schedule and checkpoints count optimizer steps: global_batch sequences each, ga per DP group.
+    ds_config = check_deepspeed_config(load_deepspeed_config(cfg.ds_config), layout,
+                                       gradient_accumulation_steps=global_batch // layout.dp_size)
+    check_optimizer_block(resolve_precision(ds_config, dtype), cfg.lr, cfg.weight_decay)
     for flag, field, module, extra in OPTIONAL_PACKAGES:
         if getattr(cfg, field):
             try:
@@ -122,7 +136,28 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
         peft_config = lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
         # On the meta device, in seconds: a target the model does not have fails here, before any weight loads.
         _, trainable = count_trainable_parameters(model_config, peft_config)
-    return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable)
+    return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable, global_batch, saved)
+
+
+def _global_batch(cfg: TrainConfig, layout: ParallelLayout, saved: dict | None) -> int:
+    """Sequences per optimizer step: --global-batch, else the resumed run's (so that its trajectory continues on any
+    dp_size that divides it), else one per DP group. ValueError with the fix when dp_size does not divide it."""
+    dp = layout.dp_size
+    held = saved["global_batch"] if saved is not None else None
+    global_batch = cfg.global_batch or held or dp
+    if global_batch % dp == 0:
+        return global_batch
+    fits = sorted({max(dp, global_batch // dp * dp), -(-global_batch // dp) * dp})
+    options = " or ".join(f"--global-batch {n}" for n in fits)
+    if cfg.global_batch is None:
+        raise ValueError(
+            f"--resume: the run trained {held} sequences per optimizer step, which dp_size={dp} ({layout.world_size} "
+            f"ranks / sp {layout.sp_size}) cannot split into equal shares. Keep the trajectory with a layout whose dp_size "
+            f"divides {held} (another --sp-size or number of ranks), or change the global batch with {options}: the data "
+            "then continues by sequences consumed and the schedule by optimizer step, so later steps differ from the "
+            "uninterrupted run's.")
+    raise ValueError(f"--global-batch {global_batch} is not a multiple of dp_size={dp} ({layout.world_size} ranks / sp "
+                     f"{layout.sp_size}): every DP group trains the same number of sequences per step; pass {options}.")
 
 
 def _check_output(cfg: TrainConfig, sp_size: int, world_size: int) -> Path | None:

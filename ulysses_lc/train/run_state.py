@@ -1,18 +1,22 @@
 """Run state on disk: the output-directory policy, the run record, and checkpoints with RNG and data position.
 
 A checkpoint is DeepSpeed's (model, optimizer, schedule) plus our client state: the step, the token
-stream's position and every RNG, so that --resume continues the uninterrupted trajectory bit for bit.
+stream's position (in sequences consumed), every RNG and the layout (world size, sp_size, global batch), so that
+--resume continues the uninterrupted trajectory bit for bit on the same layout, and within float32 reduction order
+on another world size or sp_size that holds the global batch (the ZeRO-3 state resharded: zero_reshard.py).
 
 Run directories: without --output-dir every run gets a new `runs/<model>-<date>-<time>`, so the README's
 commands can be run again as they are (a user who reruns a command expects a new run, not a refusal or an
 overwrite); --resume without --output-dir continues the latest such run that holds a checkpoint.
 Checkpoints are written atomically: DeepSpeed writes a tag's files, every rank finishes, and only then
-does rank 0 point `latest` at it (by rename), so a crash mid-save leaves `latest` on the previous one.
+does rank 0 point `latest` at it (by rename), so a crash mid-save leaves `latest` on the previous one. On
+node-local disks each node's folder gets its own run.json and `latest` (files.py says which rank writes what).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -23,10 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..zero_reshard import load_resharded, model_states_name, read_model_states
+
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
 RUNS_DIR = Path("runs")
 LATEST = "latest"  # DeepSpeed's name for the file holding the newest complete tag
+
+logger = logging.getLogger(__name__)
 
 
 def rng_state() -> dict:
@@ -82,29 +90,35 @@ def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
         raise ValueError(f"--resume: {out} holds no checkpoint to resume from; drop --resume to start a new run.")
     if cfg.resume and run_file.exists():
         saved = json.loads(run_file.read_text())
-        # The ZeRO-3 partitions and the DP split of the data follow the world size and sp_size.
-        now = {"model": cfg.model, "seq_len": cfg.seq_len, "data": cfg.data, "sp_size": sp_size, "world_size": world_size,
+        # The world size and sp_size may change: the ZeRO-3 state is resharded and the data position counts sequences
+        # (load_checkpoint, zero_reshard.py).
+        now = {"model": cfg.model, "seq_len": cfg.seq_len, "data": cfg.data,
                "lora_r": cfg.lora_r, "lora_targets": cfg.lora_targets}  # the adapters are the trained state
         before_lora = {"lora_r": 0, "lora_targets": "all"}  # a run.json written before the LoRA flags
         for key, value in now.items():
             if saved.get(key, before_lora.get(key)) != value:
                 raise ValueError(
                     f"--resume: the checkpoint in {out} was trained with {key}={saved.get(key)!r}, not "
-                    f"{value!r}; resume with the same settings (number of GPUs included) or use another --output-dir."
+                    f"{value!r}; resume with the same settings or use another --output-dir."
                 )
     return out
 
 
 def write_run_file(out: Path, cfg, sp_size: int, world_size: int) -> None:
-    """Record what this run trains (checked by a later --resume). Rank 0 only."""
+    """Record what this run trains (checked by a later --resume). One rank per folder (files.folder_owner)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), "sp_size": sp_size, "world_size": world_size}, indent=2))
 
 
-def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0) -> None:
+def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes: bool | None = None,
+                    layout: dict | None = None) -> None:
     """Collective: model, optimizer and schedule (DeepSpeed) plus step, data position and RNG, then `latest`.
 
     keep: the newest `keep` checkpoints stay, older ones are deleted once `latest` points past them (0: all).
+    writes: whether this rank writes `latest` and prunes (files.folder_owner: one rank per folder, so every
+        node-local copy gets its own); default global rank 0, for one shared folder.
+    layout: world_size, sp_size and global_batch of the run, kept with the checkpoint (not only in run.json) so
+        that a resume on another layout knows what it reshards from (`saved_layout`).
     """
     ckpt_dir = out / CHECKPOINT_DIR
     # DeepSpeed's own `latest` is written by rank 0 as soon as rank 0's files are done, before the other
@@ -113,9 +127,10 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0) -> None
     # loads them from --model, as the run did, and the checkpoint restores the adapters and their optimizer state.
     frozen = any(not p.requires_grad for p in engine.module.parameters())
     engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False, exclude_frozen_parameters=frozen,
-                           client_state={"step": step, "data": stream.state_dict(), "rng": rng_state()})
+                           client_state={"step": step, "data": stream.state_dict(), "rng": rng_state(),
+                                         "layout": layout})
     torch.distributed.barrier()  # every rank's files are written
-    if torch.distributed.get_rank() == 0:
+    if torch.distributed.get_rank() == 0 if writes is None else writes:
         tmp = ckpt_dir / f".{LATEST}.tmp"
         tmp.write_text(f"step{step}")
         os.replace(tmp, ckpt_dir / LATEST)  # atomic: `latest` names the old tag or the new one, never half
@@ -133,16 +148,80 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(ckpt_dir / f"step{s}", ignore_errors=True)
 
 
-def load_checkpoint(engine, out: Path, stream) -> int:
-    """Collective: restore the latest checkpoint into `engine` and `stream`, and the RNG; returns its step."""
+def load_checkpoint(engine, out: Path, stream, layout=None) -> int:
+    """Collective: restore a checkpoint into `engine` and `stream`, and the RNG; returns its step.
+
+    Same world size: the newest checkpoint every rank holds its files of (files.agree_on_checkpoint: each rank
+    reads its own folder's `latest`, which on node-local disks is its node's; layout None: this folder's `latest`).
+    An engine built with `zero_reshard.universal_config` (train() does so when the checkpoint was saved on another
+    world size) gets the ZeRO-3 state resharded from the saved ranks' files of `latest`; the data position is in
+    sequences consumed, whatever the layout.
+    """
+    from .files import agree_on_checkpoint
+
+    ckpt_dir = out / CHECKPOINT_DIR
     # A LoRA run's checkpoint holds no frozen weights (save_checkpoint): those keys are missing by design.
     frozen = any(not p.requires_grad for p in engine.module.parameters())
-    _, client = engine.load_checkpoint(str(out / CHECKPOINT_DIR), load_module_strict=not frozen)
+    if engine.load_universal_checkpoint():
+        client = load_resharded(engine, ckpt_dir / latest_tag(out), load_module_strict=not frozen)
+    else:
+        tag = None
+        if layout is not None:
+            latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+            tag, note = agree_on_checkpoint(ckpt_dir, latest, layout)
+            if note and layout.rank == 0:
+                logger.info(note)
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not frozen)
     if client is None:
-        raise ValueError(f"--resume: the checkpoint {out / CHECKPOINT_DIR} names cannot be read; pass another --output-dir.")
+        raise ValueError(f"--resume: the checkpoint {ckpt_dir} names cannot be read; pass another --output-dir.")
     stream.load_state_dict(client["data"])
     set_rng_state(client["rng"])
     return client["step"]
+
+
+def saved_layout(out: Path, rank: int = 0) -> dict:
+    """world_size, sp_size, global_batch and step of the latest checkpoint of `out`, from its model_states file.
+
+    Read before any process group starts (preflight), from this rank's file where it has one (node-local disks
+    hold only their own ranks'), else from any rank's: they agree. A checkpoint from before the layout was kept
+    gives DeepSpeed's own record (the ZeRO-3 partition count, train_batch_size) and run.json's sp_size.
+    """
+    tag_dir = out / CHECKPOINT_DIR / latest_tag(out)
+    states = read_model_states(tag_dir, rank if (tag_dir / model_states_name(rank)).is_file() else None)
+    layout = states.get("layout")
+    if layout is None:
+        run_file = out / RUN_FILE
+        layout = {"world_size": int(states["dp_world_size"]), "global_batch": int(states["ds_config"]["train_batch_size"]),
+                  "sp_size": json.loads(run_file.read_text()).get("sp_size") if run_file.is_file() else None}
+    return {**layout, "step": int(states["step"]), "position": int(states["data"]["position"])}
+
+
+def resume_line(saved: dict, world_size: int, sp_size: int, global_batch: int) -> str:
+    """The one start-up line of a resume: what was saved, what runs now, what was resharded and what changes."""
+    def where(world, sp):
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
+        return f"{ranks} (sp {sp} x dp {world // sp})" if sp else ranks
+
+    was, dp = saved["global_batch"], world_size // sp_size
+    if (saved["world_size"], saved.get("sp_size"), was) == (world_size, sp_size, global_batch):
+        return f"resumed step {saved['step']} on the layout that saved it: {where(world_size, sp_size)}, global batch {was}"
+    old_dp = saved["world_size"] // saved["sp_size"] if saved.get("sp_size") else None
+    state = ("ZeRO-3 state resharded" if saved["world_size"] != world_size
+             else "ZeRO-3 state loaded as saved (the same partitions)")
+    text = (f"resumed step {saved['step']} saved on {where(saved['world_size'], saved.get('sp_size'))} on "
+            f"{where(world_size, sp_size)}: {state}, ")
+    if was == global_batch:
+        before = f"{old_dp} x ga {was // old_dp}" if old_dp else "as saved"
+        return text + f"global batch {was} = {before} -> {dp} x ga {global_batch // dp} (the uninterrupted trajectory)"
+    return text + (
+        f"global batch {was} -> {global_batch} sequences per step (--global-batch): the data continues after the "
+        f"{saved['position']} sequences consumed and the schedule at optimizer step {saved['step']}, so the steps from "
+        f"here train {global_batch} sequences each and differ from the uninterrupted run's")
+
+
+def latest_tag(out: Path) -> str:
+    """The tag `latest` names (the newest complete checkpoint of `out`)."""
+    return (out / CHECKPOINT_DIR / LATEST).read_text().strip()
 
 
 def latest_checkpoint(out: Path) -> str | None:
