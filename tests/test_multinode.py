@@ -139,15 +139,18 @@ def test_two_torchrun_nodes_sharing_a_folder_at_sp_4_train_like_one_node(tmp_pat
 # -- who writes what ---------------------------------------------------------------------------------------------
 
 def _owner_worker(rank, world_size, tmp):
+    import torch
+
     from ulysses_lc.train.files import folder_owner
 
     layout = ParallelLayout(4, 2, rank=rank, nodes=(0, 0, 1, 1))  # 2 nodes x 2 ranks; the default group
     node = layout.nodes[rank]
     shared = folder_owner(Path(tmp) / "shared", layout)
     local = folder_owner(Path(tmp) / f"local{node}", layout)  # each node its own folder, as its own disk
+    torch.distributed.barrier()  # every rank has removed what it made
     return {"shared": (shared.writes, shared.shared_by, shared.node_local),
             "local": (local.writes, local.shared_by, local.node_local),
-            "probes": sorted(p.name for p in Path(tmp).rglob(".ulysses_lc-probe*"))}
+            "left": sorted(p.name for p in Path(tmp).iterdir())}
 
 
 def test_one_writer_per_folder_whether_shared_or_node_local(tmp_path):
@@ -155,7 +158,7 @@ def test_one_writer_per_folder_whether_shared_or_node_local(tmp_path):
     assert [r["shared"] for r in results] == [(True, (0, 1), False)] + [(False, (0, 1), False)] * 3
     assert [r["local"] for r in results] == [(True, (0,), True), (False, (0,), True), (True, (1,), True),
                                              (False, (1,), True)]
-    assert all(r["probes"] == [] for r in results)  # the probes are gone once every rank has looked
+    assert all(r["left"] == [] for r in results)  # the probes, and the folders made for them, are gone
 
 
 def test_two_builders_of_one_cache_key_take_turns(tmp_path):

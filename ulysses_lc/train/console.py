@@ -55,7 +55,8 @@ def layout_line(layout, global_batch: int | None = None) -> str:
     """The layout, the gradient accumulation where an optimizer step takes more sequences than DP groups, and on
     its own line of the block where the SP groups sit (inside a node or across nodes)."""
     ga = (global_batch or layout.dp_size) // layout.dp_size
-    line = f"{layout.world_size} ranks = sp {layout.sp_size} (ranks sharing one sequence) x dp {layout.dp_size} "
+    ranks = f"{layout.world_size} rank{'s' if layout.world_size > 1 else ''}"
+    line = f"{ranks} = sp {layout.sp_size} (ranks sharing one sequence) x dp {layout.dp_size} "
     if ga == 1:
         line += "(sequences per step)"
     else:
