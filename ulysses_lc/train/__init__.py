@@ -11,6 +11,7 @@
   train                      the loop                                             (loop.py)
   dry_run                    checks, plan and predicted memory, nothing loaded    (dry_run.py)
   main                       the command line, with failures reported once       (cli.py)
+  job_watch.start            every node's ranks end when one fails, the cause on rank 0's console (job_watch.py)
 """
 
 from .run_state import CHECKPOINT_DIR, RUN_FILE, check_output_dir

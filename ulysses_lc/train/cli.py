@@ -1,12 +1,15 @@
 """The command-line entry point: `main()` parses flags, trains (or dry-runs) and reports a failure once.
 
-Failure reporting, for a job of many ranks:
-  - a check that fails raises the same CheckFailed on every rank before any collective (preflight.py):
-    rank 0 prints it, the others exit quietly;
-  - any other failure is printed by the rank it happened on; rank 0 at once, the others after GRACE_S, so
-    that a failure every rank shares is printed once (the launcher stops the others when rank 0 exits);
-  - a rank that only lost contact with a failed peer (a gloo/NCCL error) prints nothing for LOST_PEER_S:
-    the peer's own report is the cause and the launcher ends this rank meanwhile;
+Failure reporting, for a job of many ranks on one node or several (job_watch.py carries reports between nodes):
+  - a check that fails on any rank raises the same CheckFailed on every rank, once every rank's checks are agreed
+    (the loop's start): each node's speaker prints it (rank 0 on node 0, the lowest rank elsewhere), the others exit
+    quietly;
+  - any other failure is published on the job's store, then printed by the rank it happened on: a node's speaker at
+    once, the others after GRACE_S, so that a failure every rank shares is printed once per node (the launcher stops
+    the others when the speaker exits). Every other node's speaker prints the published report as its last line;
+  - a rank that only lost contact with a failed peer (a gloo/NCCL error) waits up to LOST_PEER_S for the cause to
+    be found (job_watch.await_cause: a report on the store, a peer's pid gone, a silent node), which ends it; without
+    one it says "lost contact";
   - a failing rank leaves with os._exit(1) instead of a normal exit, which could hang in a collective or in a
     process-group shutdown waiting for a dead peer. The message is the last thing the rank prints; user
     mistakes (ValueError, NonFiniteError) print without a traceback, since the message names the fix.
@@ -14,7 +17,6 @@ Failure reporting, for a job of many ranks:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -22,9 +24,11 @@ import time
 import traceback
 
 from ..distributed import destroy_distributed
+from . import job_watch
 from .console import quiet_warnings
+from .job_table import record_for_launcher
+from .job_watch import GRACE_S
 
-GRACE_S = 3.0
 LOST_PEER_S = 20.0
 
 
@@ -77,35 +81,31 @@ def _fail(e: BaseException) -> None:
     rank = _rank()
     user_error = isinstance(e, (ValueError, NonFiniteError))
     message = str(e)
+    where = f" ({job_watch.where(rank)})" if rank else ""
     if isinstance(e, CheckFailed):
-        if rank != 0:  # every rank found the same; rank 0 reports it and exits first, named as the first failure
+        job_watch.claim_own_failure()
+        job_watch.publish(message)  # found after the agreement (a plan that does not fit one node's memory)
+        if e.origin:
+            where = f" ({e.origin})"
+        if not job_watch.speaks_for_node():  # every rank raised it; each node's speaker reports it and exits first
             time.sleep(GRACE_S)
+            record_for_launcher(f"error{where}: {message}")
             os._exit(1)
     elif _is_lost_peer(e):
-        time.sleep(LOST_PEER_S)  # the failed peer reports; the launcher ends this rank meanwhile
+        # The failed peer's report, its pid gone or its node silent end this rank meanwhile (so does the launcher).
+        hint = job_watch.await_cause(LOST_PEER_S)
         user_error = True  # the traceback would only show the collective this rank waited in
-        message = f"lost contact with another rank, which failed or was killed (its report, if any, is above): {e}"
-    elif rank != 0:
-        time.sleep(GRACE_S)  # a failure of every rank is reported by rank 0; the launcher ends this one meanwhile
+        message = (f"lost contact with another rank, which failed or was killed (its report, if any, is above){hint}: "
+                   f"{e}")
+    else:
+        job_watch.claim_own_failure()
+        job_watch.publish(message if user_error else f"{type(e).__name__}: {message}")
+        if not job_watch.speaks_for_node():
+            time.sleep(GRACE_S)  # a failure of every rank is reported by the speaker; the launcher ends this one meanwhile
     sys.stdout.flush()
     if not user_error:
         traceback.print_exception(e, file=sys.stderr)
-    where = f" (rank {rank})" if rank else ""
     message = f"error{where}: {message}"
     print(message, file=sys.stderr, flush=True)
-    _record_for_launcher(message if user_error else "".join(traceback.format_exception(e)) + message)
+    record_for_launcher(message if user_error else "".join(traceback.format_exception(e)) + message)
     os._exit(1)
-
-
-def _record_for_launcher(text: str) -> None:
-    """Write `text` where torchrun's closing summary reads the root cause (TORCHELASTIC_ERROR_FILE), so the summary,
-    printed last, ends with the cause and its fix rather than a pointer to the docs. The file format is
-    torch.distributed.elastic's error file ({"message": {"message", "extraInfo": {"py_callstack"}}})."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass  # the report above already reached the user

@@ -67,6 +67,7 @@ class TrainConfig:
     gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default 149, an H200)
     host_memory_gb: float | None = None  # host memory per rank (default: the node's over its local ranks)
     max_seq_len: bool = False  # --dry-run only: find the longest --seq-len that fits
+    node_timeout_s: float = 60.0  # a node silent this long (no heartbeat, no report) ends the job (job_watch.py)
 
     @property
     def data_settings(self) -> DataSettings:
@@ -102,6 +103,9 @@ class TrainConfig:
                              "nodes) or across (SP over nodes, DP inside each).")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node {self.gpus_per_node} must be >= 1.")
+        if self.node_timeout_s < 5:
+            raise ValueError(f"--node-timeout-s {self.node_timeout_s:g} is too short: heartbeats come once a second, "
+                             "and a loaded node may miss a few; give 5 or more (default 60).")
         if self.max_seq_len and not self.dry_run:
             raise ValueError("--max-seq-len sizes a run without loading it; add --dry-run.")
         if self.lora_r < 0:
@@ -226,6 +230,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", action="store_true", default=None,
                    help="--dry-run: the longest --seq-len that fits --world-size, --sp-size, --gpu-memory-gb and "
                         "--host-memory-gb, with its plan and predicted step time")
+    p.add_argument("--node-timeout-s", type=float, default=d.node_timeout_s,
+                   help="end the job when a node sends no heartbeat for this long, with no rank left there to report "
+                        f"why (default {d.node_timeout_s:g})")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

@@ -6,8 +6,9 @@ cache, the engine, logging, checkpoints with resume, and the final Hugging Face 
 
 Order of work, chosen so that mistakes cost seconds: every rank runs the same cheap checks (preflight.py:
 flags, DeepSpeed config, output directory, optional packages, data source, model config and SP split)
-before any collective; only then does the process group start, and the data is tokenized and the weights
-loaded.
+before any collective; only then does the process group start, every rank's outcome is agreed (a file on one
+node's disk only fails every rank), and the data is tokenized and the weights loaded. From there to the end of
+the loop, job_watch.py ends every node's ranks when one fails.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .estimate import estimate_memory, job_for, plan_reservations, run_limits
 from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
+from . import job_watch
 from .preflight import preflight
 from .schedule import lr_lambda
 
@@ -54,12 +56,32 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     on_step(step, record) is called after every step on every rank (record None off rank 0); raising
     from it stops the run there, as a crash would (tests use this to kill a run mid-way).
     """
-    import deepspeed
-
-    checked = preflight(cfg, world_size())
     if cfg.dry_run:
         raise ValueError("--dry-run: call ulysses_lc.train.dry_run(cfg), which loads nothing and starts no process group.")
+    checked = failure = None
+    try:
+        checked = preflight(cfg, world_size())
+    except Exception as e:  # noqa: BLE001 - a rank whose checks failed still joins the agreement below
+        if world_size() == 1:
+            raise  # nobody to agree with, and no process group to start
+        failure = e
     init_distributed()  # any launcher, or one process under plain python
+    # Every rank's checks agreed (one failed on one node's disk fails every rank, naming it), then the watch that
+    # ends every node's ranks when one fails, for as long as the run lasts. init_distributed bound this rank's GPU,
+    # on which NCCL runs the agreement's object collective.
+    watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
+    try:
+        records = _train(cfg, checked, on_step)
+    except BaseException:
+        watch.stop(clean=False)
+        raise
+    watch.stop(clean=True)
+    return records
+
+
+def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
+    import deepspeed
+
     layout = ParallelLayout.build(checked.sp_size, placement=cfg.sp_placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
     global_batch = checked.global_batch

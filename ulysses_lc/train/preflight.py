@@ -1,8 +1,9 @@
 """Every check that costs seconds, run before any collective, tokenizing or weight loading.
 
-Each rank runs `preflight` on the same inputs (flags, files, model config), so a mistake raises the same
-`CheckFailed` on every rank before any process waits on another: rank 0 reports it and all exit
-(cli.main). Nothing is written by a refused run.
+Each rank runs `preflight` before any process waits on another. The inputs are the same on every rank, but what
+they name may not be (a relative --data path or an output folder on node-local disks), so the loop then agrees on
+every rank's outcome (job_watch.start) and every rank raises the first failing rank's `CheckFailed`: rank 0 reports
+it and all exit (cli.main). Nothing is written by a refused run.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ OPTIONAL_PACKAGES = (
 
 
 class CheckFailed(ValueError):
-    """A user mistake found before any collective, the same on every rank; the message names the fix."""
+    """A user mistake found before any collective; the message names the fix.
+
+    origin: where it was found ("rank 2 on node 1, host h"), when not every rank found it (job_watch.start).
+    """
+
+    def __init__(self, message: str, origin: str | None = None):
+        super().__init__(message)
+        self.origin = origin
 
 
 @dataclass
@@ -57,6 +65,31 @@ class Checked:
     def resharded(self) -> bool:
         """The checkpoint's ZeRO-3 state is cut for another world size (zero_reshard.py)."""
         return self.saved is not None and self.saved["world_size"] != self.world_size
+
+
+def outcome(failure: BaseException | None) -> tuple[bool, str] | None:
+    """What a rank tells the others of its checks: None (passed), or (a CheckFailed?, the message)."""
+    if failure is None:
+        return None
+    described = str(failure) if isinstance(failure, ValueError) else f"{type(failure).__name__}: {failure}"
+    return isinstance(failure, CheckFailed), described
+
+
+def raise_agreed(failure: BaseException | None, outcomes: list, table) -> None:
+    """Every rank's `outcome`, gathered (job_watch.start): where any failed, every rank raises the same CheckFailed,
+    naming the first failing rank (`table`: a job_table.RankTable) unless every rank failed alike. A failing rank
+    whose error is no check failure (a bug) raises its own instead, so its traceback prints where it happened."""
+    failed = [r for r, o in enumerate(outcomes) if o is not None]
+    if not failed:
+        return
+    first = failed[0]
+    is_check, message = outcomes[first]
+    if table.rank == first and not is_check:
+        raise failure
+    if all(o == outcomes[first] for o in outcomes):
+        raise CheckFailed(message)  # every rank found the same: no rank to name
+    others = f"; ranks {', '.join(map(str, failed))} failed their checks" if len(failed) > 1 else ""
+    raise CheckFailed(message, origin=f"{table.where(first)}{others}")
 
 
 def preflight(cfg: TrainConfig, world_size: int) -> Checked:

@@ -1,0 +1,201 @@
+"""Failures across nodes (issue 20, item 4): a rank that fails on any node ends every rank of the job within a bounded
+time, and its cause is the last thing node 0's console prints (rank 0's, where the user looks), not only where it
+happened. Each test fails when job_watch.py is undone: node 0 then waited in a collective for the dead node (gloo:
+20 s, then "lost contact" with no cause; NCCL: its 30 min timeout) or, for a check failed on node 1, went on alone.
+
+Two simulated nodes (tests/_nodes.py: two torchrun launchers, --nnodes 2, on 127.0.0.1, one working folder each) of two
+ranks, the main job's entry and tiny model. Node 0's launcher hosts the store, as on a cluster. Each launch costs ~30 s
+of start-up on a loaded two-core machine, so there are three, each as short as its fault allows.
+"""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._nodes import launch_nodes, start_nodes
+from ulysses_lc.tiny import tiny_text
+from ulysses_lc.train.job_table import RankTable, Report
+from ulysses_lc.train.job_watch import JobWatch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ARGS = ["--seq-len", "512", "--no-export", "--output-dir", "run"]
+# Hang guards, not speed tests: the fault ends the job in seconds; without the watch node 0 waits for a collective's
+# timeout (gloo 30 min, NCCL 30 min) or for the whole run. 120 s from the fault tells the two apart on any load; a
+# whole launch, start-up included (a minute, up to three on a two-core machine running two other suites), gets 300 s.
+HANG_GUARD_S = 120
+LAUNCH_GUARD_S = 300
+
+
+def _cwds(tmp_path: Path) -> list[Path]:
+    return [tmp_path / "node0", tmp_path / "node1"]
+
+
+def _tail(output: str, n: int = 3) -> list[str]:
+    """The last n non-empty lines: torchrun's closing summary ends with the root cause's error file."""
+    return [line.strip() for line in output.splitlines() if line.strip()][-n:]
+
+
+class _Running:
+    """Both nodes' launchers, their output drained as it comes (a full pipe would stall a rank)."""
+
+    def __init__(self, entry, cwds):
+        self.procs = start_nodes(entry, cwds)
+        self.lines = [[] for _ in self.procs]
+        self.ended = [None] * len(self.procs)
+        self.threads = [threading.Thread(target=self._drain, args=(i,), daemon=True) for i in range(len(self.procs))]
+        for t in self.threads:
+            t.start()
+
+    def _drain(self, i):
+        for line in self.procs[i].stdout:
+            self.lines[i].append(line)
+        self.procs[i].wait()
+        self.ended[i] = time.monotonic()
+
+    def wait_for(self, node: int, prefix: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(prefix) for line in self.lines[node]):
+            assert time.monotonic() < deadline and self.ended[node] is None, self.output(node)[-4000:]
+            time.sleep(0.2)
+
+    def finish(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = [i for i, p in enumerate(self.procs) if p.poll() is None]
+        for i in hung:
+            from tests._nodes import _kill_tree
+
+            _kill_tree(self.procs[i])
+        assert not hung, f"node(s) {hung} still running after {timeout:.0f} s:\n" + "\n".join(
+            f"--- node {i} ---\n{self.output(i)[-4000:]}" for i in range(len(self.procs)))
+
+    def output(self, node: int) -> str:
+        return "".join(self.lines[node])
+
+
+def test_a_rank_killed_on_node_1_ends_the_job_with_its_cause_on_node_0(tmp_path):
+    import psutil
+
+    job = _Running(["-m", "ulysses_lc.train", "--steps", "40", *ARGS], _cwds(tmp_path))
+    job.wait_for(0, "step 3/")  # rank 0 prints the steps: every rank is in the loop
+    workers = [p for p in psutil.Process(job.procs[1].pid).children(recursive=True)
+               if "ulysses_lc.train" in " ".join(p.cmdline())]
+    assert len(workers) == 2, workers
+    victim = max(workers, key=lambda p: int(p.environ()["RANK"]))
+    rank = int(victim.environ()["RANK"])
+    killed = time.monotonic()
+    victim.send_signal(signal.SIGKILL)  # no report of its own: its node's survivor must see it gone
+    job.finish(HANG_GUARD_S)
+    out = job.output(0)
+    print(f"node 0 ended {job.ended[0] - killed:.1f} s after the kill, node 1 {job.ended[1] - killed:.1f} s")
+    assert job.procs[0].returncode != 0 and job.procs[1].returncode != 0
+    cause = f"error (rank {rank} on node 1, host "
+    said = f"rank {rank} (pid {victim.pid} on host"
+    assert any(cause in line and said in line and "exited without a report" in line for line in _tail(out)), out
+    # Printed once on node 0 (by rank 0), before torchrun's summary, which ends with it.
+    assert sum(line.startswith(cause) for line in out.splitlines()) == 1, out
+    assert "lost contact" not in out, out
+
+
+FAILING_RANK = """
+import os
+import sys
+
+import ulysses_lc.train.loop as loop
+from ulysses_lc.train.cli import main
+
+if os.environ["RANK"] == "3":  # on node 1, not its lowest rank: the rank that prints for node 1 is another
+    shard_batch, calls = loop.shard_batch, []
+
+    def failing_shard_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure on rank 3 at step 3")
+        return shard_batch(*args, **kwargs)
+
+    loop.shard_batch = failing_shard_batch
+main(sys.argv[1:])
+"""
+
+
+def test_an_exception_on_one_rank_of_node_1_is_node_0s_last_line(tmp_path):
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK)
+    start = time.monotonic()
+    (rc0, out0, _), (rc1, out1, _) = launch_nodes([str(script), "--steps", "12", *ARGS], _cwds(tmp_path),
+                                                 timeout=LAUNCH_GUARD_S)
+    print(f"job ended after {time.monotonic() - start:.1f} s (start-up included)")
+    assert rc0 != 0 and rc1 != 0
+    message = "RuntimeError: injected failure on rank 3 at step 3"
+    cause = "error (rank 3 on node 1, host "
+    assert any(cause in line and message in line for line in _tail(out0)), out0
+    assert sum(line.startswith(cause) for line in out0.splitlines()) == 1, out0
+    assert "step 2/12" in out0 and "step 4/12" not in out0, out0  # it ended at the failing step, not at the run's end
+    # Node 1's console, where it happened, has it too: the traceback, then the line.
+    assert "Traceback" in out1 and any(message in line for line in _tail(out1)), out1
+
+
+def test_a_check_failing_on_node_1_only_ends_node_0_before_any_work(tmp_path):
+    node0, node1 = _cwds(tmp_path)
+    node0.mkdir()
+    (node0 / "books.txt").write_text(tiny_text(20_000, seed=1))  # on node 0's disk only
+    start = time.monotonic()
+    (rc0, out0, _), (rc1, out1, _) = launch_nodes(["-m", "ulysses_lc.train", "--steps", "2", "--data", "books.txt",
+                                                   *ARGS], [node0, node1], timeout=LAUNCH_GUARD_S)
+    print(f"job ended after {time.monotonic() - start:.1f} s (start-up included)")
+    assert rc0 != 0 and rc1 != 0
+    cause = "error (rank 2 on node 1, host "
+    assert any(cause in line and "books.txt" in line for line in _tail(out0)), out0
+    assert sum(line.startswith("error") for line in out0.splitlines()) == 1, out0  # once on node 0: rank 0's
+    assert "ulysses_lc run" not in out0 and "step 1/" not in out0, out0  # before the model, DeepSpeed and a step
+    assert any(cause in line for line in _tail(out1)), out1  # node 1's speaker says it there too
+    assert not (node0 / "run").exists()  # nothing written by a refused run
+
+
+# -- the heartbeat, without a launcher ----------------------------------------------------------------------------
+
+def test_a_silent_node_is_named_after_the_timeout_and_a_finished_one_is_not(monkeypatch):
+    """A whole node gone leaves no rank to report: rank 0 names it once its heartbeat counter stops moving for
+    node_timeout_s, and never a node whose ranks ended their run (the others wait in the end's barrier while rank 0
+    exports)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import ulysses_lc.train.job_watch as job_watch
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    table = RankTable(hosts=("a", "a", "b", "b"), nodes=(0, 0, 1, 1), pids=(1, 2, 3, 4), rank=0)
+    now = [1000.0]
+    monkeypatch.setattr(job_watch.time, "monotonic", lambda: now[0])
+    watch = JobWatch(table, store, "t/", node_timeout_s=60)
+    for node in (0, 1):
+        store.add(f"t/beat/{node}", 0)
+    assert watch._silent_nodes() == []
+    for _ in range(5):  # node 1 beats through a minute and more: never silent
+        now[0] += 20
+        store.add("t/beat/1", 1)
+        assert watch._silent_nodes() == []
+    now[0] += 59
+    assert watch._silent_nodes() == []
+    now[0] += 2
+    assert watch._silent_nodes() == [(1, pytest.approx(61))]
+    store.set("t/done/2", "1")  # node 1's leader finished its run cleanly
+    assert watch._silent_nodes() == []
+    report = Report(None, 1, "b", None, "gone", by=0)
+    assert report.line() == "error (node 1, host b): gone"
+    assert Report.decode(report.encode().encode()) == report
+    assert Report(5, 1, "b", 42, "boom", by=5).line() == "error (rank 5 on node 1, host b): boom"
+
+
+def test_node_numbers_come_from_the_launcher_or_else_the_host():
+    entries = [("h", 0, 10), ("h", 0, 11), ("h", 1, 12), ("h", 1, 13)]  # simulated nodes on one host
+    table = RankTable.from_entries(entries, rank=3)
+    assert table.nodes == (0, 0, 1, 1) and table.local() == [2, 3] and table.where(2) == "rank 2 on node 1, host h"
+    table = RankTable.from_entries([("x", None, 1), ("y", None, 2), ("x", None, 3)], rank=1)
+    assert table.nodes == (0, 1, 0) and table.local() == [1] and table.describe_node(0) == "node 0 (host x, ranks 0, 2)"

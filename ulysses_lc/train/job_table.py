@@ -1,0 +1,140 @@
+"""Who runs where, and one failure as every node prints it: the pieces of job_watch.py that need no thread.
+
+  RankTable            host, node and pid of every global rank, gathered once at start (`gather`)
+  Report               one failure: "error (rank 5 on node 1, host h): <message>", JSON on the job's store
+  record_for_launcher  the text torchrun's closing summary ends with
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..distributed import NODE_INDEX_VARIABLES
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Host, node and pid of every global rank, gathered once at start."""
+
+    hosts: tuple[str, ...]
+    nodes: tuple[int, ...]
+    pids: tuple[int, ...]
+    rank: int
+
+    @property
+    def node(self) -> int:
+        return self.nodes[self.rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.nodes))
+
+    def on_node(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def local(self) -> list[int]:
+        """Ranks on this rank's node whose pids this rank can see (the same host)."""
+        return [r for r in self.on_node(self.node) if self.hosts[r] == self.hosts[self.rank]]
+
+    def where(self, rank: int) -> str:
+        return f"rank {rank} on node {self.nodes[rank]}, host {self.hosts[rank]}"
+
+    def describe_node(self, node: int) -> str:
+        ranks = self.on_node(node)
+        if len(ranks) == 1:
+            span = f"rank {ranks[0]}"
+        elif ranks == list(range(ranks[0], ranks[-1] + 1)):
+            span = f"ranks {ranks[0]}-{ranks[-1]}"
+        else:
+            span = f"ranks {', '.join(map(str, ranks))}"
+        return f"node {node} (host {self.hosts[ranks[0]]}, {span})"
+
+    @classmethod
+    def from_entries(cls, entries: list[tuple[str, int | None, int]], rank: int) -> RankTable:
+        """entries[r] = (host, the launcher's node index or None, pid). Without a node index on every rank, nodes are
+        numbered by host in order of first rank."""
+        hosts = tuple(h for h, _, _ in entries)
+        if all(n is not None for _, n, _ in entries):
+            nodes = tuple(n for _, n, _ in entries)
+        else:
+            order = list(dict.fromkeys(hosts))
+            nodes = tuple(order.index(h) for h in hosts)
+        return cls(hosts, nodes, tuple(p for _, _, p in entries), rank)
+
+
+@dataclass(frozen=True)
+class Report:
+    """One failure, as every node prints it: "error (rank 5 on node 1, host h): <message>"."""
+
+    rank: int | None  # the rank it is about; None: a whole node
+    node: int
+    host: str
+    pid: int | None
+    message: str
+    by: int  # the rank that published it
+
+    def line(self) -> str:
+        origin = f"rank {self.rank} on node {self.node}" if self.rank is not None else f"node {self.node}"
+        return f"error ({origin}, host {self.host}): {self.message}"
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Report:
+        return cls(**json.loads(raw))
+
+
+def gather(extra) -> tuple[RankTable, list]:
+    """Collective over the world: the rank table, and every rank's `extra` (picklable) in rank order."""
+    entries = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(entries, (socket.gethostname(), _launcher_node(), os.getpid(), extra))
+    table = RankTable.from_entries([e[:3] for e in entries], torch.distributed.get_rank())
+    return table, [e[3] for e in entries]
+
+
+def single() -> RankTable:
+    """The table of a job of one process."""
+    return RankTable((socket.gethostname(),), (0,), (os.getpid(),), 0)
+
+
+def record_for_launcher(text: str) -> None:
+    """Write `text` where torchrun's closing summary reads the root cause (TORCHELASTIC_ERROR_FILE), so the summary,
+    printed last, ends with the cause and its fix rather than a pointer to the docs. The file format is
+    torch.distributed.elastic's error file ({"message": {"message", "extraInfo": {"py_callstack"}}})."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the report above already reached the user
+
+
+def _launcher_node() -> int | None:
+    for name in NODE_INDEX_VARIABLES:  # tells simulated nodes on one host apart
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def agent_hosts_store() -> bool:
+    """torchrun's agent on node 0 hosts the store (it outlives the ranks); otherwise rank 0's process does."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

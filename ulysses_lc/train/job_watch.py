@@ -1,0 +1,400 @@
+"""A rank that fails on any node ends every rank of the job within seconds, and its cause is printed last on global
+rank 0's console (where the user looks) as well as on the node where it happened (issue 20).
+
+Why: torchrun, DeepSpeed's runner and srun each end the ranks of *their* node when one fails, nothing more. A rank that
+failed on node 1 left node 0 waiting in a collective (NCCL: its timeout, 30 min) or, on gloo, printing "lost contact"
+with no cause. The one channel every rank of every node has is the default process group's store (a TCPStore, hosted
+by node 0's torchrun agent or by rank 0), so reports travel through it.
+
+Contract (in a job of one process, all of it does nothing):
+  start(failure, ...)  collective, right after the process group starts: gathers each rank's host, node, pid and
+                       preflight outcome; where any rank's checks failed (a file on node 0's disk only), every rank
+                       raises the same CheckFailed naming the first failing rank. Otherwise arms the watcher.
+  JobWatch.stop(clean) at the end of train(), every path. clean: marks this rank done on the store (its exit is no
+                       fault) and restores SIGTERM; not clean (the process is failing): keeps the SIGTERM hook.
+  publish(message)     a failing rank's report (rank, node, host, pid, message) on the store; the first one wins.
+  await_cause(timeout) a rank that lost a peer runs the watcher's checks until one finds the cause and ends the
+                       process, or `timeout` passes (the caller then says "lost contact").
+  speaks_for_node()    whether this rank prints for its node: rank 0 on node 0, the lowest rank elsewhere.
+
+The watcher, one daemon thread per rank waking once a second (POLL_S), off the step's path:
+  - every rank checks its node's peers' pids (psutil reads /proc). A peer gone without a report (SIGKILL, the OOM
+    killer): the lowest live rank of the node publishes "rank 5 (pid N on host h) exited without a report: ...".
+  - SIGTERM wakes the thread through signal.set_wakeup_fd, even while the main thread waits inside an NCCL collective.
+    Launchers send it to the siblings of a rank that died (torchrun within 0.1 s, before any poll could see the
+    death), so a sibling checks the pids then, reports, and exits.
+  - only each node's lowest rank (its leader) talks to the store: it reads the report key and adds one to its node's
+    heartbeat counter; rank 0 also reads every node's counter in one multi_get. 2 requests a second per node, not
+    per rank: about 250 a second for 1000 ranks on 125 nodes.
+  - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary,
+    exits 1, and the launcher ends the node's other ranks. A report from this node is printed by its reporter.
+  - a node whose counter stays still for node_timeout_s has no rank left to report (power, network): rank 0 reports
+    it. This thread moves the counter, so a long step does not stop it.
+  - the store gone (node 0's launcher or rank 0 ended): the leader says so after SETTLE_S, time for a report of its own
+    node to print first, and exits. A store that hangs instead (a network partition) blocks the thread.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import uuid
+
+import torch
+
+from .job_table import RankTable, Report, agent_hosts_store, alive, gather, record_for_launcher, single
+
+POLL_S = 1.0
+GRACE_S = 3.0  # a failing rank other than its node's speaker prints after this (cli.py): its launcher may end it first
+SETTLE_S = GRACE_S + 3.0  # a rank that knows no cause yet waits this long for one of its node's to be printed
+LINGER_S = 2.0  # a rank that ends quietly waits this long, so that its node's speaker exits (and is named) first
+
+_current: JobWatch | None = None  # the watch of the running train() or the last one: cli's failure report reads it
+_ending = threading.Lock()  # held by whichever thread ends the process, so one report is printed
+_ending_own_failure = False  # True while cli reports this rank's own failure: a SIGTERM then ends the rank at once
+
+
+def start(failure: BaseException | None, *, node_timeout_s: float) -> JobWatch:
+    """Agree on every rank's checks and arm the watcher (collective; call on every rank once the group is up).
+
+    failure: this rank's preflight exception, or None; when any rank has one, every rank raises (preflight.
+    raise_agreed). node_timeout_s: TrainConfig.node_timeout_s.
+    """
+    from .preflight import outcome, raise_agreed
+
+    global _current
+    if _current is not None:
+        _current._disarm_signal()  # a train() before this one that failed kept its SIGTERM hook
+    if torch.distributed.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        _current = JobWatch(single(), None, "", node_timeout_s)
+        return _current  # nothing to watch: stop() does nothing
+    table, extras = gather((uuid.uuid4().hex[:12], outcome(failure)))
+    if any(o is not None for _, o in extras):
+        _current = JobWatch(table, None, "", node_timeout_s)  # no thread: who speaks for the node, for cli
+        raise_agreed(failure, [o for _, o in extras], table)
+    store = torch.distributed.distributed_c10d._get_default_store()
+    _current = JobWatch(table, store, f"ulysses_lc/job_watch/{extras[0][0]}/", node_timeout_s)
+    _current._arm()
+    return _current
+
+
+def publish(message: str) -> bool:
+    """Put this rank's failure on the store for every node to print; True when it is the job's first report."""
+    watch = _current
+    if watch is None or watch.store is None:
+        return False
+    t = watch.table
+    report = Report(t.rank, t.node, t.hosts[t.rank], t.pids[t.rank], message, by=t.rank)
+    first = watch._publish(report) == report
+    watch._let_other_nodes_read()
+    return first
+
+
+def claim_own_failure() -> None:
+    """This rank reports its own failure (cli.py): the watcher stays quiet, a SIGTERM ends the rank as by default."""
+    global _ending_own_failure
+    _ending.acquire(blocking=False)
+    _ending_own_failure = True
+
+
+def speaks_for_node() -> bool:
+    """Whether this rank prints failures for its node: rank 0 on node 0, the lowest rank on each other node."""
+    # Fixed at start, not the lowest live rank: a leader that printed and exited leaves the others quiet.
+    return _current.leader if _current is not None else int(os.environ.get("RANK", "0")) == 0
+
+
+def where(rank: int) -> str:
+    """How a report names this rank: with its node and host where the job spans nodes."""
+    multinode = _current is not None and _current.table.num_nodes > 1
+    return _current.table.where(rank) if multinode else f"rank {rank}"
+
+
+def await_cause(timeout: float) -> str:
+    """Run the watcher's checks until one finds the cause of a lost peer (and ends the process); after `timeout`,
+    return what is known: a hint naming a silent node, or ""."""
+    watch = _current
+    if watch is None or watch.store is None:
+        time.sleep(timeout)
+        return ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        watch._poll()
+        time.sleep(POLL_S)
+    return watch._silence_hint()
+
+
+class JobWatch:
+    """The armed watch of one train() call: its rank table, the store, and the watcher thread."""
+
+    def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float):
+        self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
+        self.leader = table.rank == min(table.on_node(table.node))
+        self._halt = threading.Event()
+        self._clean = False  # stopped at the normal end of the run: nothing may end the process from the thread
+        self._thread = None
+        self._wake = None  # (read fd, write fd) of the SIGTERM wake-up pipe
+        self._previous = None  # (SIGTERM handler, wake-up fd) before arming
+        self._store_lost_at = None  # monotonic time of the first failed store request
+        self._own_node_report = None  # (report, monotonic time first seen): its reporter prints it
+        now = time.monotonic()
+        self._beats = {n: (-1, now) for n in set(table.nodes)}  # rank 0: node -> (counter, when it last moved)
+
+    def stop(self, clean: bool) -> None:
+        """End the watch. clean: the run ended normally on this rank, so its exit is no fault."""
+        if self.store is None:
+            return
+        self._clean = clean
+        self._halt.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * POLL_S)
+        if not clean:
+            return
+        try:
+            self.store.set(self._key(f"done/{self.table.rank}"), "1")
+        except Exception:  # noqa: BLE001 - a store gone at the end of a clean run: nobody is left to be misled
+            pass
+        self._disarm_signal()
+
+    # -- arming ------------------------------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        if self.table.rank == 0:  # every node's counter exists before rank 0 reads them (multi_get waits for a key)
+            for node in self._beats:
+                self.store.add(self._key(f"beat/{node}"), 0)
+        # SIGTERM to a Python handler (the main thread, when it runs Python) and a wake-up byte for the watcher (at
+        # once, even while the main thread waits in a collective). Only the main thread may set either.
+        if threading.current_thread() is threading.main_thread():
+            self._wake = os.pipe()
+            for fd in self._wake:
+                os.set_blocking(fd, False)
+            handler = signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm())
+            self._previous = (handler, signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False))
+        self._thread = threading.Thread(target=self._run, name="ulysses-job-watch", daemon=True)
+        self._thread.start()
+
+    def _disarm_signal(self) -> None:
+        if self._previous is None or threading.current_thread() is not threading.main_thread():
+            return
+        handler, wakeup_fd = self._previous
+        signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+        signal.set_wakeup_fd(wakeup_fd)
+        for fd in self._wake:
+            os.close(fd)
+        self._previous = self._wake = None
+
+    # -- the thread --------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            if self._woken_by_sigterm():
+                self._on_sigterm()
+            if not self._halt.is_set():
+                self._poll()
+
+    def _woken_by_sigterm(self) -> bool:
+        """Wait POLL_S, or less where a signal arrives first; True for a SIGTERM."""
+        try:
+            ready, _, _ = select.select([self._wake[0]], [], [], POLL_S)
+            return bool(ready) and signal.SIGTERM in os.read(self._wake[0], 512)
+        except (OSError, ValueError, TypeError):  # no pipe (not armed on the main thread), or closed by stop()
+            self._halt.wait(POLL_S)
+            return False
+
+    def _poll(self) -> None:
+        """One round of checks; ends the process when one finds a failure."""
+        gone = self._gone_peers()
+        if gone:
+            self._report_gone(gone)
+        if not self.leader or self._store_lost_at is not None:
+            self._after_store_lost()
+            return
+        try:
+            self.store.add(self._key(f"beat/{self.table.node}"), 1)
+            report = self._read_report()
+            silent = self._silent_nodes() if self.table.rank == 0 else []
+        except Exception:  # noqa: BLE001 - DistNetworkError and kin: the store's host ended
+            self._store_lost_at = time.monotonic()
+            return
+        if report is None and silent:
+            node, quiet_s = silent[0]
+            first = self._publish(self._report(
+                None, f"{self.table.describe_node(node)} has sent no heartbeat for {quiet_s:.0f} s, and none of its "
+                f"ranks reported a failure: the node is down, unreachable, or its processes are frozen (raise "
+                f"--node-timeout-s, now {self.node_timeout_s:g}, if they can be busy that long without a thread "
+                f"running)", node=node))
+            if first.by == self.table.rank:
+                self._end(first, speak=True)
+            report = first
+        if report is not None:
+            self._on_report(report)
+
+    def _on_report(self, report: Report) -> None:
+        t = self.table
+        if report.by == t.rank:
+            return  # this rank's own failure, which cli reports
+        if report.node != t.node:
+            self._end(report, speak=self.leader)
+        elif self._own_node_report is None:
+            self._own_node_report = (report, time.monotonic())  # its reporter prints it; the launcher ends this rank
+        elif time.monotonic() - self._own_node_report[1] > SETTLE_S:
+            self._end(report, speak=False)  # its reporter should have ended this node by now
+
+    def _after_store_lost(self) -> None:
+        if self._store_lost_at is None or time.monotonic() - self._store_lost_at < SETTLE_S:
+            return
+        if self._own_node_report is not None:  # printed by its reporter; the launcher has not ended this rank
+            self._end(self._own_node_report[0], speak=False)
+        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+        keeper = "node 0's launcher" if agent_hosts_store() else "rank 0"
+        self._end(self._report(self.table.rank, f"lost the job's store at {host}:{port}: its host ({keeper}) ended, "
+                                                f"so every rank stops; the cause is on node 0's console"),
+                  speak=self.leader)
+
+    # -- checks ------------------------------------------------------------------------------------------------
+
+    def _gone_peers(self) -> list[int]:
+        gone = [r for r in self.table.local() if r != self.table.rank and not alive(self.table.pids[r])]
+        if 0 in gone and not agent_hosts_store():  # the store lived in rank 0's process: touching it only warns
+            self._store_lost_at = self._store_lost_at or time.monotonic()
+        if not gone or self.store is None or self._store_lost_at is not None:
+            return gone
+        try:  # a peer that ended its run cleanly (train() returned) is no fault
+            return [r for r in gone if not self.store.check([self._key(f"done/{r}")])]
+        except Exception:  # noqa: BLE001 - no store: what the pids say
+            self._store_lost_at = time.monotonic()
+            return gone
+
+    def _report_gone(self, gone: list[int]) -> None:
+        """The lowest live rank of the node reports a peer that exited without a report; returns on the others."""
+        t = self.table
+        if t.rank != min(r for r in t.local() if r not in gone):
+            return
+        known = self._known_report()
+        if known is not None or self._store_lost_at is not None:  # a cause reported already (maybe the peer's own),
+            self._end(known, speak=False)  # or node 0 ended (the store's host), its cause printed there
+        r = gone[0]
+        also = f" (and {', '.join(f'rank {g}' for g in gone[1:])})" if len(gone) > 1 else ""
+        first = self._publish(self._report(
+            r, f"rank {r} (pid {t.pids[r]} on host {t.hosts[r]}){also} exited without a report: killed by a signal "
+               f"(SIGKILL), or by the kernel's out-of-memory killer (`dmesg | grep -i 'killed process'` on "
+               f"{t.hosts[r]} says which)?"))
+        self._end(first, speak=first.by == t.rank)
+
+    def _silent_nodes(self) -> list[tuple[int, float]]:
+        """Rank 0: nodes whose heartbeat counter has not moved for node_timeout_s, and for how long."""
+        nodes = sorted(n for n in self._beats if n != self.table.node)
+        if not nodes:
+            return []
+        counts = self.store.multi_get([self._key(f"beat/{n}") for n in nodes])
+        now, silent = time.monotonic(), []
+        for node, raw in zip(nodes, counts):
+            count, since = self._beats[node]
+            if int(raw) != count:
+                self._beats[node] = (int(raw), now)
+            elif now - since > self.node_timeout_s:
+                leader = min(self.table.on_node(node))
+                if not self.store.check([self._key(f"done/{leader}")]):
+                    silent.append((node, now - since))
+        return silent
+
+    def _silence_hint(self) -> str:
+        """Rank 0, for a "lost contact" line: the node silent the longest, where one has been for a few polls."""
+        if self.table.rank != 0:
+            return ""
+        now = time.monotonic()
+        quiet = [(now - since, n) for n, (_, since) in self._beats.items() if n != self.table.node]
+        quiet_s, node = max(quiet, default=(0.0, None))
+        if quiet_s < 3 * POLL_S:
+            return ""
+        return f"; {self.table.describe_node(node)} has sent no heartbeat for {quiet_s:.0f} s: it is down or unreachable"
+
+    # -- the store ---------------------------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def _report(self, rank: int | None, message: str, node: int | None = None) -> Report:
+        """A report by this rank about `rank` (None: about `node`)."""
+        t = self.table
+        if rank is not None:
+            return Report(rank, t.nodes[rank], t.hosts[rank], t.pids[rank], message, by=t.rank)
+        return Report(None, node, t.hosts[t.on_node(node)[0]], None, message, by=t.rank)
+
+    def _read_report(self) -> Report | None:
+        key = self._key("report")
+        if not self.store.check([key]):
+            return None
+        return Report.decode(self.store.get(key))
+
+    def _known_report(self) -> Report | None:
+        """The job's report as far as this rank can tell: the store's, else one of this node's seen before."""
+        try:
+            if self.store is not None and self._store_lost_at is None:
+                return self._read_report()
+        except Exception:  # noqa: BLE001
+            self._store_lost_at = time.monotonic()
+        return self._own_node_report[0] if self._own_node_report else None
+
+    def _publish(self, report: Report) -> Report:
+        """The job's first report: `report` when it is, the one before it otherwise (or `report` without a store)."""
+        if self.store is None or self._store_lost_at is not None:
+            return report
+        try:
+            return Report.decode(self.store.compare_set(self._key("report"), "", report.encode()))
+        except Exception:  # noqa: BLE001 - the store's host ended: this rank can still say it here
+            self._store_lost_at = time.monotonic()
+            return report
+
+    # -- ending ------------------------------------------------------------------------------------------------
+
+    def _on_sigterm(self) -> None:
+        """The launcher or scheduler is ending this rank: say why where this rank is the one that can (a sibling died
+        without a report; on a job of several nodes, the signal itself), then exit. Runs on the main thread or the
+        watcher, whichever gets there first."""
+        if _ending.locked():
+            if _ending_own_failure:
+                os._exit(128 + signal.SIGTERM)  # the rank's own report is under way: as SIGTERM's default
+            return  # another thread is ending the process with its report
+        gone = self._gone_peers()
+        if gone:
+            self._report_gone(gone)  # returns where another rank of this node reports it
+        elif self.table.num_nodes > 1 and self._store_lost_at is None and self._known_report() is None:
+            first = self._publish(self._report(
+                self.table.rank, "stopped by SIGTERM from its launcher or the job's scheduler (Ctrl-C, scancel, a "
+                                 "time limit or a preemption)"))
+            self._end(first, speak=first.by == self.table.rank)
+        self._end(self._known_report(), speak=False, code=128 + signal.SIGTERM)
+
+    def _end(self, report: Report | None, *, speak: bool, code: int = 1) -> None:
+        """End the process for `report`: printed as this rank's last line where `speak`, recorded for the launcher's
+        summary either way, then exit `code`. Returns only where another thread is ending the process already."""
+        if self._clean and threading.current_thread() is self._thread:
+            return  # a request that outlived stop(): the run ended cleanly
+        if not _ending.acquire(blocking=False):
+            if threading.current_thread() is threading.main_thread():
+                time.sleep(LINGER_S + SETTLE_S)  # the watcher is ending the process
+            return
+        self._halt.set()
+        t = self.table
+        if report is not None:
+            sys.stdout.flush()
+            if speak:
+                print(report.line(), file=sys.stderr, flush=True)
+            record_for_launcher(report.line())
+        if speak and report.by == t.rank:
+            self._let_other_nodes_read()
+        if report is not None and not speak:
+            time.sleep(LINGER_S)  # this node's speaker exits first, and the launcher names it
+        os._exit(code)
+
+    def _let_other_nodes_read(self) -> None:
+        """Where the store lives in this process (rank 0, under launchers other than torchrun), stay until every
+        node's leader has polled it once, so that the report just published outlives this rank."""
+        if self.table.rank == 0 and self.table.num_nodes > 1 and self.store is not None and not agent_hosts_store():
+            time.sleep(2 * POLL_S)
