@@ -11,7 +11,7 @@ import pytest
 
 from tests._dist import run_shared
 from tests._nodes import REPO, launch_nodes
-from ulysses_lc.distributed import expand_nodelist, node_id, slurm_variables
+from ulysses_lc.distributed import expand_nodelist, mpi_variables, node_id, slurm_variables
 from ulysses_lc.layout import ParallelLayout, nodes_of, sp_group_ranks
 from ulysses_lc.train import TrainConfig, dry_run
 
@@ -68,7 +68,7 @@ def test_dry_run_names_the_placement_and_the_host_share(tmp_path):
     assert "8 nodes x 2 ranks: SP groups span up to 2 nodes" in wide and "sp 4 > 2 ranks per node" in wide
 
 
-def test_srun_variables_fill_torchs(monkeypatch):
+def test_srun_and_mpirun_variables_fill_torchs(monkeypatch):
     env = {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9", "SLURM_NODEID": "1", "SLURM_LOCALID": "1",
            "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_ID": "4242"}
     got = slurm_variables(env)
@@ -79,6 +79,17 @@ def test_srun_variables_fill_torchs(monkeypatch):
     assert slurm_variables({"SLURM_NTASKS": "16", "SLURM_PROCID": "0", "SLURM_JOB_ID": "1"}) is None
     assert expand_nodelist("gpu[01-03,10],login1") == ["gpu01", "gpu02", "gpu03", "gpu10", "login1"]
     assert slurm_variables({**env, "SLURM_STEP_TASKS_PER_NODE": "8,4", "SLURM_NODEID": "1"})["LOCAL_WORLD_SIZE"] == "4"
+    # mpirun (deepspeed --launcher openmpi): MPI's variables, and a MASTER_ADDR the user exports, else refused (each
+    # rank would otherwise start a job of one on its own).
+    ompi = {"OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}
+    assert mpi_variables({**ompi, "MASTER_ADDR": "gpu-a"}) == {
+        "RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "gpu-a",
+        "MASTER_PORT": "29500"}
+    with pytest.raises(ValueError, match="MASTER_ADDR is not set.*mpirun -x MASTER_ADDR"):
+        mpi_variables(ompi)
+    assert mpi_variables({"PMI_SIZE": "1", "PMI_RANK": "0"})["WORLD_SIZE"] == "1"  # one rank needs no address
+    assert mpi_variables({}) is None
     for name in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID"):
         monkeypatch.delenv(name, raising=False)
     plain = node_id()

@@ -3,10 +3,10 @@
 Each launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT before the script runs; plain
 `python script.py` sets none of them. `deepspeed.init_distributed` then tries MPI discovery (and stops with
 "No module named 'mpi4py'" where mpi4py is not installed), so here a single process gets its defaults
-instead and MPI discovery stays off: a job started by mpirun goes through `deepspeed --launcher openmpi`, which
-sets the variables too. Under SLURM's `srun` (one task per GPU, no other launcher: `srun python train_1m.py`, or
-`deepspeed --launcher slurm`, whose tasks get no torch variables either) they are read from SLURM's
-(`slurm_variables`).
+instead and MPI discovery stays off. Launchers that set none of torch's variables are read in their own terms:
+mpirun (`deepspeed --launcher openmpi` / `mvapich`, or mpirun itself) from MPI's (`mpi_variables`, with
+MASTER_ADDR exported by the user), and SLURM's `srun` (one task per GPU: `srun python train_1m.py`, or `deepspeed
+--launcher slurm`) from SLURM's (`slurm_variables`).
 
 Nodes: `node_id` names the node this rank runs on, from the host name and the launcher's node index, so that
 the SP groups can be placed inside nodes (layout.py) and files written once per node or once per shared folder
@@ -86,14 +86,41 @@ def slurm_variables(env=os.environ) -> dict[str, str] | None:
     }
 
 
+# (world size, rank, local rank, local size) as each MPI sets them: Open MPI, MPICH / Intel MPI (PMI), MVAPICH.
+MPI_VARIABLES = (
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+)
+
+
+def mpi_variables(env=os.environ) -> dict[str, str] | None:
+    """torch's launcher variables for a process started by mpirun (`deepspeed --launcher openmpi`/`mvapich`, or
+    mpirun itself), or None. MPI names no rendezvous address: MASTER_ADDR must be exported to every rank (mpirun
+    -x MASTER_ADDR=<first node>); without it every rank would start a job of its own, so that is refused."""
+    for size, rank, local_rank, local_size in MPI_VARIABLES:
+        if size in env and rank in env:
+            break
+    else:
+        return None
+    if int(env[size]) > 1 and not env.get("MASTER_ADDR"):
+        raise ValueError(
+            f"started by mpirun ({size}={env[size]}) but MASTER_ADDR is not set, so the ranks cannot find each other: "
+            "export it to every rank (mpirun -x MASTER_ADDR=<first node's address> -x MASTER_PORT=29500), or launch "
+            "with torchrun, srun or the deepspeed launcher's default (pdsh).")
+    return {"RANK": env[rank], "WORLD_SIZE": env[size], "LOCAL_RANK": env.get(local_rank, "0"),
+            "LOCAL_WORLD_SIZE": env.get(local_size, "1"), "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": env.get("MASTER_PORT") or "29500"}
+
+
 def single_process_defaults() -> bool:
-    """Fill the launcher variables where no launcher set them: from SLURM's inside an srun step, else for one
-    process; True when it filled them."""
+    """Fill the launcher variables where no launcher set them: from SLURM's inside an srun step or MPI's under
+    mpirun, else for one process; True when it filled them."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return False
-    slurm = slurm_variables()
-    if slurm is not None:
-        os.environ.update(slurm)
+    launched = slurm_variables() or mpi_variables()
+    if launched is not None:
+        os.environ.update(launched)
         return True
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -200,8 +227,8 @@ def world_size() -> int:
         return torch.distributed.get_world_size()
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    slurm = slurm_variables()
-    return int(slurm["WORLD_SIZE"]) if slurm else 1
+    launched = slurm_variables() or mpi_variables()
+    return int(launched["WORLD_SIZE"]) if launched else 1
 
 
 def local_world_size() -> int | None:
@@ -210,9 +237,9 @@ def local_world_size() -> int | None:
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         if os.environ.get(name):
             return int(os.environ[name])
-    slurm = slurm_variables()
-    return int(slurm["LOCAL_WORLD_SIZE"]) if slurm else None
+    launched = slurm_variables() or mpi_variables()
+    return int(launched["LOCAL_WORLD_SIZE"]) if launched else None
 
 
 __all__ = ["bind_cuda_device", "default_backend", "destroy_distributed", "expand_nodelist", "init_distributed", "local_world_size",
-           "node_id", "single_process_defaults", "slurm_variables", "world_size"]
+           "mpi_variables", "node_id", "single_process_defaults", "slurm_variables", "world_size"]
