@@ -87,6 +87,9 @@ def run_shared(fn, world_size, *args, timeout=600, kind="plain"):
       "plain": bodies that compute and communicate over groups they build; no DeepSpeed, Trainer or loop.
       "deepspeed": bodies that start DeepSpeed (an engine, the training loop): each starts its own engine,
         as the main job's tests already did several times in one process.
+      "trainer": bodies that build a transformers Trainer; after each, the state a Trainer leaves in its process is
+        reset (accelerate's state objects, transformers' ZeRO-3 switch, which would put the next body's model
+        under zero.Init).
     A body reads nothing from the test's environment or sys.path (its ranks may have started before the test)
     and undoes any patch before it returns. After each body every rank destroys the groups the body created (a
     barrier on each first; through DeepSpeed where it runs, which drops its references too), so the next body
@@ -133,7 +136,7 @@ class _Pool:
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         port = _free_port()
         # daemon: no rank outlives the session, even one the atexit close below could not end
-        self.procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, self.tasks[r], self.results),
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, kind, self.tasks[r], self.results),
                                   daemon=True) for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -163,7 +166,7 @@ def _close_pools():
         _POOLS.popitem()[1].close()
 
 
-def _pool_worker(rank, world_size, port, tasks, results):
+def _pool_worker(rank, world_size, port, kind, tasks, results):
     from torch.distributed.distributed_c10d import _world
 
     try:
@@ -190,6 +193,12 @@ def _pool_worker(rank, world_size, port, tasks, results):
             dist.destroy_process_group
         for group in created:
             destroy(group)
+        if kind == "trainer":
+            from accelerate.state import AcceleratorState
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            AcceleratorState._reset_state(reset_partial_state=True)
         gc.collect()  # the body's groups go now, with their gloo threads, not at interpreter exit
     destroy_distributed()
 
