@@ -78,19 +78,31 @@ def run_distributed(fn, world_size, *args, timeout=600, backend="gloo"):
     return _retry_port(lambda: _run_once(fn, world_size, args, timeout, backend))
 
 
-def run_shared(fn, world_size, *args, timeout=600):
+def run_shared(fn, world_size, *args, timeout=600, kind="plain"):
     """fn on the session's shared gloo ranks of world_size; every rank's return value.
 
-    Starting a rank costs seconds of imports (torch, transformers, the test module) and a launch of 4 ranks ~25 s on
-    2 cores: the parity tests, dozens of launches, run on one set of ranks per world size instead. For bodies that
-    only compute and communicate over groups they build themselves: no DeepSpeed, Trainer or training loop (they
-    keep process-wide state), nothing read from the test's environment or sys.path (the ranks were started before
-    it), and any patch undone before returning. After each body every rank destroys the groups it created (a
-    barrier on each first), so the next body starts from the default group alone; a body that fails on any rank
-    ends those ranks, and the next call starts new ones.
+    Starting a rank costs seconds of imports (torch, transformers, DeepSpeed, the test module): a no-op launch of 2
+    ranks took 12.7 s on 2 cores, of 4 ranks 24.6 s, and the suite made dozens. Bodies run one after another on
+    one set of ranks per world size instead, each rank running only bodies of one kind:
+      "plain": bodies that compute and communicate over groups they build; no DeepSpeed, Trainer or loop.
+      "deepspeed": bodies that start DeepSpeed (an engine, the training loop): each starts its own engine,
+        as the main job's tests already did several times in one process.
+      "trainer": bodies that build a transformers Trainer; after each, the state a Trainer leaves in its process is
+        reset (accelerate's state objects, transformers' ZeRO-3 switch, which would put the next body's model
+        under zero.Init).
+    A body reads nothing from the test's environment or sys.path (its ranks may have started before the test)
+    and undoes any patch before it returns. After each body every rank destroys the groups the body created (a
+    barrier on each first; through DeepSpeed where it runs, which drops its references too), so the next body
+    starts from the default group alone. A body that fails on any rank ends those ranks; the next call starts new
+    ones, as does a call of another kind.
     """
     def once():
-        pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _Pool(world_size))
+        pool = _POOLS.get(world_size)
+        if pool is not None and pool.kind != kind:
+            _POOLS.pop(world_size).close()
+            pool = None
+        if pool is None:
+            pool = _POOLS[world_size] = _Pool(world_size, kind)
         try:
             return pool.run(fn, args, timeout)
         except BaseException:
@@ -117,13 +129,14 @@ _POOLS = {}  # world_size -> _Pool, for the session
 class _Pool:
     """world_size ranks with a gloo group, each running the bodies it is sent, one at a time."""
 
-    def __init__(self, world_size):
+    def __init__(self, world_size, kind):
+        self.kind = kind
         ctx = mp.get_context("spawn")
         self.results = ctx.SimpleQueue()
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         port = _free_port()
         # daemon: no rank outlives the session, even one the atexit close below could not end
-        self.procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, self.tasks[r], self.results),
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world_size, port, kind, self.tasks[r], self.results),
                                   daemon=True) for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -153,7 +166,7 @@ def _close_pools():
         _POOLS.popitem()[1].close()
 
 
-def _pool_worker(rank, world_size, port, tasks, results):
+def _pool_worker(rank, world_size, port, kind, tasks, results):
     from torch.distributed.distributed_c10d import _world
 
     try:
@@ -166,6 +179,7 @@ def _pool_worker(rank, world_size, port, tasks, results):
         before = set(_world.pg_map)
         try:
             result = fn(rank, world_size, *args)
+            _check_no_shm_comm_op()
             results.put((rank, "ok", pickle.dumps(result)))
         except BaseException:  # noqa: BLE001 - the traceback is the test's report; the parent ends these ranks
             results.put((rank, "error", traceback.format_exc()))
@@ -174,8 +188,17 @@ def _pool_worker(rank, world_size, port, tasks, results):
         created = [g for g in list(_world.pg_map) if g not in before]  # creation order: the same on every rank
         for group in created:
             dist.barrier(group=group)
+        ds_comm = sys.modules.get("deepspeed.comm")
+        destroy = ds_comm.destroy_process_group if ds_comm is not None and ds_comm.is_initialized() else \
+            dist.destroy_process_group
         for group in created:
-            dist.destroy_process_group(group)
+            destroy(group)
+        if kind == "trainer":
+            from accelerate.state import AcceleratorState
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            AcceleratorState._reset_state(reset_partial_state=True)
         gc.collect()  # the body's groups go now, with their gloo threads, not at interpreter exit
     destroy_distributed()
 

@@ -1,7 +1,6 @@
 """Token stream: every source kind against serial whole-text tokenization, the cache, ranks, errors."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -292,17 +291,27 @@ def test_pg19_streams_books_joined_with_eos(tiny, tmp_path, monkeypatch):
 # --- ranks -----------------------------------------------------------------------------------
 
 
-def test_local_rank_1_waits_for_rank_0(bpe, tmp_path):
+def test_local_rank_1_waits_for_rank_0(bpe, tmp_path, monkeypatch):
     path = tmp_path / "book.txt"
     path.write_text(tiny_text(10_000, seed=12))
     result = {}
+    looked = threading.Event()  # set once the waiter has found no complete cache: no guess at how long that takes
+    complete = data.cache.cache_complete
+
+    def watched(paths):
+        done = complete(paths)
+        if not done:
+            looked.set()
+        return done
+
+    monkeypatch.setattr(data.cache, "cache_complete", watched)
 
     def waiter():
         result["stream"] = build(path, bpe, 256, 4, tmp_path, local_rank=1, poll_s=0.02, wait_timeout_s=60)
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    time.sleep(0.2)
+    assert looked.wait(timeout=60)
     assert thread.is_alive()  # nothing to read yet: still waiting on rank 0
     built = build(path, bpe, 256, 4, tmp_path, local_rank=0)
     thread.join(timeout=30)

@@ -8,7 +8,7 @@ the loss trajectory (1e-4 relative).
 
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from tests.models import VOCAB, build
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
 from ulysses_lc.ds_config import check_deepspeed_config
@@ -69,13 +69,13 @@ def assert_same_run(parallel, single):
 
 def test_zero3_sp2_matches_one_rank():
     input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(0))
-    (single,) = run_distributed(engine_worker, 1, 1, input_ids)
-    assert_same_run(run_distributed(engine_worker, 2, 2, input_ids), single)
+    (single,) = run_shared(engine_worker, 1, 1, input_ids, kind="deepspeed")
+    assert_same_run(run_shared(engine_worker, 2, 2, input_ids, kind="deepspeed"), single)
 
 
 def test_zero3_sp2_all_levers_matches_one_rank_plain():
     # ZeRO-3 gathers the tied LM head inside the chunked loss head and the tiled MLP's weights once per
     # layer (leaf modules); a gather or reduction missed there would change the trajectory.
     input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
-    (single,) = run_distributed(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_moe")
-    assert_same_run(run_distributed(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_moe"), single)
+    (single,) = run_shared(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_moe", kind="deepspeed")
+    assert_same_run(run_shared(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_moe", kind="deepspeed"), single)

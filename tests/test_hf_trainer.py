@@ -7,10 +7,12 @@ checkpoint resumed to the same trajectory, and its folder loaded by from_pretrai
 logits exactly (with a plain attention implementation); and each refusal at construction.
 """
 
+import contextlib
+
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from tests.models import VOCAB, build
 from ulysses_lc.tiled_mlp import plain_parameter_name
 
@@ -35,8 +37,10 @@ def training_args(out, steps, **overrides):
     return TrainingArguments(**kwargs)
 
 
+@contextlib.contextmanager
 def first_step_grads(record):
-    """Patch the engine's step (test only) to keep the first step's full gradients, as ZeRO-3 reduced them."""
+    """Patch the engine's step (test only, undone on exit) to keep the first step's full gradients, as ZeRO-3
+    reduced them."""
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.utils import safe_get_full_grad
 
@@ -49,6 +53,10 @@ def first_step_grads(record):
         return original(engine, *args, **kwargs)
 
     DeepSpeedEngine.step = step
+    try:
+        yield
+    finally:
+        DeepSpeedEngine.step = original
 
 
 def trainer_worker(rank, world, sp_size, out, steps, mode):
@@ -58,14 +66,13 @@ def trainer_worker(rank, world, sp_size, out, steps, mode):
 
     ds = datasets.Dataset.from_dict({"input_ids": sequences()})
     record = {}
-    if mode == "grads":
-        first_step_grads(record)
     save = dict(save_strategy="steps", save_steps=2) if mode == "save" else {}
     trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(out, steps, **save), train_dataset=ds,
                              eval_dataset=ds.select(range(2)), sp_size=sp_size)
     if mode == "eval":
         return trainer.evaluate()["eval_loss"]
-    trainer.train(resume_from_checkpoint=f"{out}/checkpoint-2" if mode == "resume" else None)
+    with first_step_grads(record) if mode == "grads" else contextlib.nullcontext():
+        trainer.train(resume_from_checkpoint=f"{out}/checkpoint-2" if mode == "resume" else None)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, record.get("grads")
 
@@ -84,8 +91,8 @@ def assert_grads_close(grads, ref):
 
 
 def test_trainer_sp2_equals_sp1(tmp_path):
-    (single,) = run_distributed(trainer_worker, 1, 1, str(tmp_path / "sp1"), 3, "grads")
-    parallel = run_distributed(trainer_worker, 2, 2, str(tmp_path / "sp2"), 3, "grads")
+    (single,) = run_shared(trainer_worker, 1, 1, str(tmp_path / "sp1"), 3, "grads", kind="trainer")
+    parallel = run_shared(trainer_worker, 2, 2, str(tmp_path / "sp2"), 3, "grads", kind="trainer")
     # The first logged loss is the first sequence's, the plain model's at the initial weights (sampler order:
     # DistributedSampler with one DP rank and the Trainer's seed, the same on both sides).
     for losses, grads in parallel:
@@ -98,7 +105,7 @@ def test_trainer_sp2_equals_sp1(tmp_path):
 
 def test_trainer_evaluate_is_the_plain_loss(tmp_path):
     ref = sum(plain_losses()[:2]) / 2
-    for loss in run_distributed(trainer_worker, 2, 2, str(tmp_path), 1, "eval"):
+    for loss in run_shared(trainer_worker, 2, 2, str(tmp_path), 1, "eval", kind="trainer"):
         assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
 
 
@@ -111,22 +118,26 @@ def planning_worker(rank, world, out, levers_list):
     from ulysses_lc import memory, model as model_mod
     from ulysses_lc.hf_trainer import UlyssesTrainer
 
-    real = model_mod.plan_step_memory
+    real, measure = model_mod.plan_step_memory, memory.measure_free_memory
     model_mod.plan_step_memory = lambda shape, n, layout, device, **kw: real(shape, n, layout, torch.device("cuda"), **kw)
     results = []
-    for i, levers in enumerate(levers_list):
-        trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(f"{out}/{i}", 1), sp_size=1, levers=levers,
-                                 train_dataset=datasets.Dataset.from_dict({"input_ids": sequences()}))
-        wrapper, seq = trainer.model, 1 << 20
-        room = room_for_one_input(wrapper.shape, seq)
-        memory.measure_free_memory = lambda device, layout: (room, 1 << 40)
-        trainer._plan_memory(seq)
-        results.append((wrapper.plan, wrapper.checkpointing.offload))
+    train = datasets.Dataset.from_dict({"input_ids": sequences()})
+    try:
+        for i, levers in enumerate(levers_list):
+            trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(f"{out}/{i}", 1), sp_size=1,
+                                     levers=levers, train_dataset=train)
+            wrapper, seq = trainer.model, 1 << 20
+            room = room_for_one_input(wrapper.shape, seq)
+            memory.measure_free_memory = lambda device, layout: (room, 1 << 40)
+            trainer._plan_memory(seq)
+            results.append((wrapper.plan, wrapper.checkpointing.offload))
+    finally:
+        model_mod.plan_step_memory, memory.measure_free_memory = real, measure
     return results
 
 
 def test_trainer_plans_no_host_offload_when_its_levers_turn_offload_off(tmp_path):
-    (off, on), = run_distributed(planning_worker, 1, str(tmp_path), [{"offload": False}, {}])
+    (off, on), = run_shared(planning_worker, 1, str(tmp_path), [{"offload": False}, {}], kind="trainer")
     (plan, offload), (plan_on, offload_on) = off, on
     assert not offload and plan.recompute_layers > 0 and plan.keep_on_gpu == plan.recompute_layers, plan
     assert offload_on and plan_on.keep_on_gpu < plan_on.recompute_layers, plan_on  # the same memory, offloading
@@ -134,8 +145,8 @@ def test_trainer_plans_no_host_offload_when_its_levers_turn_offload_off(tmp_path
 
 def test_trainer_checkpoint_resumes_the_same_trajectory(tmp_path):
     out = str(tmp_path)
-    full, _ = run_distributed(trainer_worker, 2, 2, out, 4, "save")[0]
-    resumed, _ = run_distributed(trainer_worker, 2, 2, out, 4, "resume")[0]
+    full, _ = run_shared(trainer_worker, 2, 2, out, 4, "save", kind="trainer")[0]
+    resumed, _ = run_shared(trainer_worker, 2, 2, out, 4, "resume", kind="trainer")[0]
     # The resumed state carries the first two steps' log; the last two are trained after the resume.
     assert len(full) == 4 and len(resumed) == 4
     for a, b in zip(resumed[2:], full[2:]):
@@ -222,8 +233,6 @@ def sft_worker(rank, world, sp_size, out, mode):
     model = build("qwen3", vocab_size=len(tokenizer)) if mode == "eval" else None
     ds = datasets.Dataset.from_list(sft_rows())
     record = {}
-    if mode == "grads":
-        first_step_grads(record)
     args = SFTConfig(output_dir=out, deepspeed=DS, per_device_train_batch_size=1, per_device_eval_batch_size=1,
                      max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], seed=0,
                      lr_scheduler_type="constant", disable_tqdm=True, use_cpu=True, bf16=False,
@@ -235,13 +244,14 @@ def sft_worker(rank, world, sp_size, out, mode):
         # trl 1.16 writes the completion-only labels into the dataset ("Building labels").
         rows = [(r["input_ids"], r["labels"]) for r in trainer.eval_dataset]
         return trainer.evaluate()["eval_loss"], rows
-    trainer.train()
+    with first_step_grads(record) if mode == "grads" else contextlib.nullcontext():
+        trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], record.get("grads")
 
 
 def test_sft_trainer_sp2_equals_sp1(tmp_path):
-    (single,) = run_distributed(sft_worker, 1, 1, str(tmp_path / "sp1"), "grads")
-    for losses, grads in run_distributed(sft_worker, 2, 2, str(tmp_path / "sp2"), "grads"):
+    (single,) = run_shared(sft_worker, 1, 1, str(tmp_path / "sp1"), "grads", kind="trainer")
+    for losses, grads in run_shared(sft_worker, 2, 2, str(tmp_path / "sp2"), "grads", kind="trainer"):
         assert len(losses) == 2 and losses[0] != losses[-1]
         for a, b in zip(losses, single[0]):
             assert abs(a - b) <= LOSS_RTOL * abs(b), (losses, single[0])
@@ -251,7 +261,7 @@ def test_sft_trainer_sp2_equals_sp1(tmp_path):
 def test_sft_trainer_evaluate_is_the_plain_completion_loss(tmp_path):
     from ulysses_lc.tiny import tiny_tokenizer
 
-    results = run_distributed(sft_worker, 2, 2, str(tmp_path), "eval")
+    results = run_shared(sft_worker, 2, 2, str(tmp_path), "eval", kind="trainer")
     rows = results[0][1]
     model = build("qwen3", vocab_size=len(tiny_tokenizer())).eval()
     ref, unmasked = [], []
@@ -290,7 +300,7 @@ def test_trainer_checkpoint_loads_as_a_plain_model(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    weights = run_distributed(save_worker, 2, str(tmp_path))[0]
+    weights = run_shared(save_worker, 2, str(tmp_path), kind="trainer")[0]
     folder = tmp_path / "checkpoint-2"
     saved_config = json.loads((folder / "config.json").read_text())
     assert saved_config.get("attn_implementation", "sdpa") in ("sdpa", "eager"), saved_config

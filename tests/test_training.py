@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from ulysses_lc.tiny import tiny_model_config
 from ulysses_lc.train import EXPORT_DIR, TrainConfig, parse_args, train
 from ulysses_lc.model import SequenceParallelCausalLM
@@ -53,7 +53,7 @@ def test_cli_defaults_to_tiny_without_gpu():
 
 def test_train_resume_export(tmp_path):
     cfg = tiny_config(tmp_path, save_every=2)
-    records = run_distributed(train_worker, 2, cfg)[0]
+    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
     losses = losses_of(records)
     assert all(r["offload_host_gb"] > 0 for r in records)  # checkpointed layer inputs went to the host
     # Real text, 6 steps: the loss must come down clearly from the ~log(257) start.
@@ -68,8 +68,8 @@ def test_train_resume_export(tmp_path):
 
     # Killed after step 3 (checkpoint at step 2), then resumed: steps 3..6 reproduce the uninterrupted run.
     killed = tiny_config(tmp_path, output_dir=str(tmp_path / "killed"), save_every=2, export=False)
-    assert run_distributed(train_worker, 2, killed, 3) == ["killed", "killed"]
-    resumed = losses_of(run_distributed(train_worker, 2, replace(killed, resume=True))[0])
+    assert run_shared(train_worker, 2, killed, 3, kind="deepspeed") == ["killed", "killed"]
+    resumed = losses_of(run_shared(train_worker, 2, replace(killed, resume=True), kind="deepspeed")[0])
     assert token_file.stat().st_mtime_ns == mtime
     assert len(resumed) == 4
     np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
@@ -154,7 +154,7 @@ EXPECTED = {
 
 def test_bad_input_refused_before_heavy_work(tmp_path):
     cfg = tiny_config(tmp_path, output_dir=str(tmp_path / "out"))
-    messages = run_distributed(bad_input_worker, 2, cfg.__dict__, str(tmp_path))[0]
+    messages = run_shared(bad_input_worker, 2, cfg.__dict__, str(tmp_path), kind="deepspeed")[0]
     for name, fragment in EXPECTED.items():
         assert messages[name] is not None, f"{name}: no error"
         assert fragment in messages[name], f"{name}: {messages[name]}"
@@ -173,15 +173,15 @@ def test_train_from_local_folder(tmp_path):
     AutoModelForCausalLM.from_config(tiny_model_config()).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     cfg = tiny_config(tmp_path, model=str(folder), steps=2, export=False)
-    records = run_distributed(train_worker, 2, cfg)[0]
+    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
     losses = losses_of(records)
     assert len(losses) == 2 and all(np.isfinite(losses))
     # from_pretrained returns eval mode, in which transformers silently skips checkpointing: the run must
     # train in train mode, with the checkpointed inputs offloaded.
     assert all(r["offload_host_gb"] > 0 for r in records)
     # Same weights as the embedded default with seed 0: the same first loss.
-    tiny = losses_of(run_distributed(
-        train_worker, 2, tiny_config(tmp_path, output_dir=str(tmp_path / "t"), steps=1, export=False))[0])
+    one_step = tiny_config(tmp_path, output_dir=str(tmp_path / "t"), steps=1, export=False)
+    tiny = losses_of(run_shared(train_worker, 2, one_step, kind="deepspeed")[0])
     assert abs(losses[0] - tiny[0]) <= 1e-5 * tiny[0]
 
 
@@ -189,9 +189,9 @@ def test_optimizer_offload_config(tmp_path):
     # The shipped zero3_offload_optimizer config: DeepSpeed's CPU Adam (built on first use) takes --lr through
     # the "auto" optimizer block and follows the same trajectory as torch AdamW under zero3.json.
     base = tiny_config(tmp_path, steps=2, export=False, seq_len=1024)
-    plain = losses_of(run_distributed(train_worker, 2, base)[0])
+    plain = losses_of(run_shared(train_worker, 2, base, kind="deepspeed")[0])
     offload = replace(base, output_dir=str(tmp_path / "offload"), ds_config="zero3_offload_optimizer")
-    offloaded = losses_of(run_distributed(train_worker, 2, offload)[0])
+    offloaded = losses_of(run_shared(train_worker, 2, offload, kind="deepspeed")[0])
     assert offloaded[0] == plain[0]  # same weights, same data, before any update
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
 
@@ -199,7 +199,7 @@ def test_optimizer_offload_config(tmp_path):
 def test_data_parallel_run(tmp_path):
     # sp_size=1 on 2 ranks: two DP groups train different windows; the logged loss is their mean.
     cfg = tiny_config(tmp_path, steps=2, export=False, seq_len=1024, sp_size=1)
-    records = run_distributed(train_worker, 2, cfg)[0]
+    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
     assert [r["tokens"] for r in records] == [2048, 2048]
     # The first step's loss is the mean of the plain model's losses on windows 0 and 1 (one per DP rank).
     from transformers import AutoModelForCausalLM

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests._dist import run_distributed
+from tests._dist import run_shared
 from ulysses_lc.train import TrainConfig, train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,7 +50,7 @@ def _train(rank, world_size, cfg):
 @pytest.mark.parametrize("source, packing", [("pc.jsonl", True), ("pc.jsonl", False), ("text.parquet", True)])
 def test_dataset_trains_and_caches(tmp_path, datasets_dir, source, packing):
     cfg = _cfg(tmp_path, datasets_dir / source, packing=packing)
-    records = run_distributed(_train, 2, cfg)[0]
+    records = run_shared(_train, 2, cfg, kind="deepspeed")[0]
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.2, losses
     trained = [r["trained_tokens"] for r in records]
@@ -62,7 +62,7 @@ def test_dataset_trains_and_caches(tmp_path, datasets_dir, source, packing):
         assert all(0.0 <= r["padding_share"] < 0.7 for r in records)
     (tokens_file,) = (tmp_path / "cache").glob("*.tokens")
     mtime = tokens_file.stat().st_mtime_ns
-    again = run_distributed(_train, 2, replace(cfg, output_dir=str(tmp_path / "again"), steps=1))[0]
+    again = run_shared(_train, 2, replace(cfg, output_dir=str(tmp_path / "again"), steps=1), kind="deepspeed")[0]
     assert tokens_file.stat().st_mtime_ns == mtime  # the cache was hit, not rebuilt
     assert again[0]["loss"] == records[0]["loss"]
 
@@ -89,7 +89,7 @@ def test_bad_datasets_refused_before_weights(tmp_path, datasets_dir):
     import numpy as np
 
     np.save(datasets_dir / "ids.npy", np.arange(5000) % 200)
-    messages = run_distributed(_refused, 2, cases)[0]
+    messages = run_shared(_refused, 2, cases, kind="deepspeed")[0]
     for name, message in messages.items():
         assert message is not None, f"{name}: no error"
     assert "columns" in messages["missing_column"] and "body" in messages["missing_column"]

@@ -16,14 +16,19 @@ the SP groups can be placed inside nodes (layout.py) and files written once per 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import socket
 import sys
+import time
+from pathlib import Path
 
 import torch
 
 SHM_COMM_BUILDER = "ShareMemCommBuilder"  # DeepSpeed's name for its CPU shared-memory all-reduce op builder
+STALE_LOCK_S = 300.0  # a live build's lock is younger, or has its compiler working in the folder (cpu_adam: ~95 s)
+logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -138,7 +143,8 @@ def init_distributed(backend: str | None = None) -> None:
 
     Where the process group already exists (accelerate, a Trainer or a test started it), DeepSpeed's comm layer is
     pointed at it: without that, `zero.Init` (transformers' from_config/from_pretrained under a ZeRO-3
-    TrainingArguments) counts a world of one and stops at its train_batch_size check.
+    TrainingArguments) counts a world of one and stops at its train_batch_size check. Local rank 0 first warns of
+    any stale build lock of DeepSpeed's JIT ops (stale_build_locks), the one cause of a run that hangs silently.
     backend: None picks nccl with GPUs, gloo without.
     """
     import deepspeed
@@ -146,6 +152,11 @@ def init_distributed(backend: str | None = None) -> None:
     if not torch.distributed.is_initialized():
         single_process_defaults()
     bind_cuda_device()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for lock in stale_build_locks():
+            logger.warning(f"{lock} is a build lock that no running build holds: every run that builds DeepSpeed's "
+                           f"{lock.parent.name} op (on first use) waits on it forever, with no message. Remove it: "
+                           f"rm {lock}")
     with _without_shm_comm_op():
         deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
 
@@ -160,6 +171,30 @@ def bind_cuda_device() -> None:
     local = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
     if torch.cuda.current_device() == 0 and local != 0:  # still the default: nobody chose one
         torch.cuda.set_device(local)
+
+
+def stale_build_locks(min_age_s: float = STALE_LOCK_S) -> list[Path]:
+    """Locks in torch's extension build folders (where DeepSpeed JIT-builds its ops: cpu_adam, ...) that no build
+    holds: older than min_age_s and no process working in the folder (ninja and the compiler run there). torch's
+    file_baton writes no owner into the lock, and one left by a killed build makes every later load of that op
+    wait for it, silently."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = get_default_build_root()
+    locks = [*Path(root).glob("*/lock"), *Path(root).glob("*/*/lock")]
+    now = time.time()
+    locks = [lock for lock in locks if now - lock.stat().st_mtime > min_age_s]
+    if not locks:
+        return []
+    busy = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            busy.add(Path(os.readlink(proc / "cwd")))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return [lock for lock in locks if not any(d == lock.parent or lock.parent in d.parents for d in busy)]
 
 
 @contextlib.contextmanager
@@ -241,5 +276,6 @@ def local_world_size() -> int | None:
     return int(launched["LOCAL_WORLD_SIZE"]) if launched else None
 
 
-__all__ = ["bind_cuda_device", "default_backend", "destroy_distributed", "expand_nodelist", "init_distributed", "local_world_size",
-           "mpi_variables", "node_id", "single_process_defaults", "slurm_variables", "world_size"]
+__all__ = ["bind_cuda_device", "default_backend", "destroy_distributed", "expand_nodelist", "init_distributed",
+           "local_world_size", "mpi_variables", "node_id", "single_process_defaults", "slurm_variables",
+           "stale_build_locks", "world_size"]
