@@ -77,10 +77,11 @@ def folder_owner(folder: Path, layout) -> FolderOwner:
         seen = tuple(sorted(int(p.name.rsplit("-", 1)[1]) for p in Path(folder).glob(f"{PROBE}-{token[0]}-*")))
     every = [None] * layout.world_size
     dist.all_gather_object(every, seen, group=layout.world_group)
-    dist.barrier(group=layout.world_group)  # every first rank has looked: the probes can go
-    if first:
+    if first:  # every first rank has looked (its listing came before the gather): the probes can go
         probe.unlink(missing_ok=True)
-        for path in made:  # deepest first; one another node still probes in is not empty, and stays
+    dist.barrier(group=layout.world_group)  # every probe is gone: what was made for them can go too
+    if first:
+        for path in made:  # deepest first; on a shared folder another node may have removed it already
             try:
                 path.rmdir()
             except OSError:
