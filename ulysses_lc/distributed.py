@@ -42,14 +42,25 @@ NODE_INDEX_VARIABLES = ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID")
 SLURM_PORT_BASE = 20000  # srun without MASTER_PORT: a port every task derives from the job id alike
 
 
+def launcher_node_index() -> str | None:
+    """The launcher's index of this rank's node (torchrun, DeepSpeed's launcher, srun), or None where none is set."""
+    for name in NODE_INDEX_VARIABLES:
+        if os.environ.get(name, "") != "":
+            return os.environ[name]
+    return None
+
+
 def node_id() -> str:
     """This rank's node: the host name, and the launcher's node index where it sets one ("gpu-07", "gpu-07/1").
     Ranks with the same id share a node's memory, disks and fast links."""
-    host = socket.gethostname()
-    for name in NODE_INDEX_VARIABLES:
-        if os.environ.get(name, "") != "":
-            return f"{host}/{os.environ[name]}"
-    return host
+    index = launcher_node_index()
+    return socket.gethostname() if index is None else f"{socket.gethostname()}/{index}"
+
+
+def number_nodes(ids) -> tuple[int, ...]:
+    """Node numbers for every rank's node id (in rank order): nodes numbered by their lowest rank, from 0."""
+    order = list(dict.fromkeys(ids))
+    return tuple(order.index(key) for key in ids)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -277,5 +288,5 @@ def local_world_size() -> int | None:
 
 
 __all__ = ["bind_cuda_device", "default_backend", "destroy_distributed", "expand_nodelist", "init_distributed",
-           "local_world_size", "mpi_variables", "node_id", "single_process_defaults", "slurm_variables",
+           "launcher_node_index", "local_world_size", "mpi_variables", "node_id", "number_nodes", "single_process_defaults", "slurm_variables",
            "stale_build_locks", "world_size"]

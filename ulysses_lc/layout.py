@@ -113,7 +113,7 @@ class ParallelLayout:
                 "torch.distributed is not initialised; call deepspeed.init_distributed() (or "
                 "torch.distributed.init_process_group) before ParallelLayout.build()."
             )
-        from .distributed import bind_cuda_device, node_id
+        from .distributed import bind_cuda_device, node_id, number_nodes
 
         world, rank = dist.get_world_size(), dist.get_rank()
         bind_cuda_device()  # the node ids travel by an object collective, on the current device under NCCL
@@ -121,11 +121,7 @@ class ParallelLayout:
         cls(world, sp_size, placement=placement)  # validate before any collective
         ids = [None] * world
         dist.all_gather_object(ids, node_id())
-        first_rank = {}
-        for r, key in enumerate(ids):
-            first_rank.setdefault(key, r)
-        order = sorted(first_rank, key=first_rank.get)  # nodes by their lowest rank
-        nodes = tuple(order.index(key) for key in ids)
+        nodes = number_nodes(ids)
         plain = cls(world, sp_size, rank, nodes=nodes, placement=placement)
         sp_group = dp_group = None
         # new_group is collective: every rank creates every group, keeps its own.

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..distributed import NODE_INDEX_VARIABLES
+from ..distributed import launcher_node_index, number_nodes
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,12 @@ class RankTable:
         return f"node {node} (host {self.hosts[ranks[0]]}, {span})"
 
     @classmethod
-    def from_entries(cls, entries: list[tuple[str, int | None, int]], rank: int) -> RankTable:
-        """entries[r] = (host, the launcher's node index or None, pid). Without a node index on every rank, nodes are
-        numbered by host in order of first rank."""
+    def from_entries(cls, entries: list[tuple[str, int | str | None, int]], rank: int) -> RankTable:
+        """entries[r] = (host, the launcher's node index or None, pid). A node is a host and launcher index, numbered
+        as the layout numbers them (distributed.number_nodes: by lowest rank), so reports and the start-up block
+        name the same node numbers."""
         hosts = tuple(h for h, _, _ in entries)
-        if all(n is not None for _, n, _ in entries):
-            nodes = tuple(n for _, n, _ in entries)
-        else:
-            order = list(dict.fromkeys(hosts))
-            nodes = tuple(order.index(h) for h in hosts)
+        nodes = number_nodes([(h, n) for h, n, _ in entries])
         return cls(hosts, nodes, tuple(p for _, _, p in entries), rank)
 
 
@@ -94,7 +91,7 @@ class Report:
 def gather(extra) -> tuple[RankTable, list]:
     """Collective over the world: the rank table, and every rank's `extra` (picklable) in rank order."""
     entries = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(entries, (socket.gethostname(), _launcher_node(), os.getpid(), extra))
+    torch.distributed.all_gather_object(entries, (socket.gethostname(), launcher_node_index(), os.getpid(), extra))
     table = RankTable.from_entries([e[:3] for e in entries], torch.distributed.get_rank())
     return table, [e[3] for e in entries]
 
@@ -116,14 +113,6 @@ def record_for_launcher(text: str) -> None:
             json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass  # the report above already reached the user
-
-
-def _launcher_node() -> int | None:
-    for name in NODE_INDEX_VARIABLES:  # tells simulated nodes on one host apart
-        value = os.environ.get(name)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None
 
 
 def agent_hosts_store() -> bool:
