@@ -167,7 +167,7 @@ def load_checkpoint(engine, out: Path, stream, layout=None) -> int:
     else:
         tag = None
         if layout is not None:
-            latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+            latest = latest_tag(out) if (ckpt_dir / LATEST).is_file() else None
             tag, note = agree_on_checkpoint(ckpt_dir, latest, layout)
             if note and layout.rank == 0:
                 logger.info(note)
@@ -226,5 +226,4 @@ def latest_tag(out: Path) -> str:
 
 def latest_checkpoint(out: Path) -> str | None:
     """The path of the newest complete checkpoint of `out`, or None."""
-    latest = out / CHECKPOINT_DIR / LATEST
-    return str(out / CHECKPOINT_DIR / latest.read_text().strip()) if latest.is_file() else None
+    return str(out / CHECKPOINT_DIR / latest_tag(out)) if (out / CHECKPOINT_DIR / LATEST).is_file() else None
