@@ -42,18 +42,6 @@ def _is_moe_layer(cfg, layer: int) -> bool:
     return (layer + 1) % step == 0
 
 
-def _mlp_matmul_params(cfg, layer: int) -> int:
-    """Weights an MLP multiplies each token by: dense 3 e i (gate, up, down); MoE the router and the active
-    experts (+ a shared expert where the config has one)."""
-    e = cfg.hidden_size
-    if not _is_moe_layer(cfg, layer):
-        return 3 * e * cfg.intermediate_size
-    experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
-    shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
-    width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size  # gpt-oss: intermediate_size
-    return e * experts + cfg.num_experts_per_tok * 3 * e * width + 3 * e * shared
-
-
 def layer_windows(cfg) -> tuple:
     """Per decoder layer, its sliding window w (keys a query sees) or None (full causal attention): layer_types
     where the config has them (Gemma 3, gpt-oss, Qwen3 with use_sliding_window), else every layer (Mistral)."""
@@ -73,15 +61,17 @@ def window_pairs(seq: int, window: int | None) -> float:
     return seq * w - w * w / 2
 
 
-def _mlp_params(cfg, layer: int) -> int:
-    """Weights an MLP holds: dense 3 e i; MoE the router and every expert (+ a shared expert)."""
+def _mlp_params(cfg, layer: int, active: bool = False) -> int:
+    """Weights an MLP holds (active: those it multiplies each token by): dense 3 e i (gate, up, down); MoE the
+    router and every expert, or only the num_experts_per_tok active ones (+ a shared expert where there is one)."""
     e = cfg.hidden_size
     if not _is_moe_layer(cfg, layer):
         return 3 * e * cfg.intermediate_size
     experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
     shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size  # gpt-oss: intermediate_size
-    return e * experts + experts * 3 * e * width + 3 * e * shared
+    used = cfg.num_experts_per_tok if active else experts
+    return e * experts + used * 3 * e * width + 3 * e * shared
 
 
 @dataclass(frozen=True)
@@ -110,7 +100,7 @@ class ModelShape:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         d = getattr(cfg, "head_dim", None) or e // heads
         attention = 2 * e * heads * d + 2 * e * kv_heads * d  # q and o, k and v projections
-        layer_params = sum(attention + _mlp_matmul_params(cfg, n) for n in range(cfg.num_hidden_layers))
+        layer_params = sum(attention + _mlp_params(cfg, n, active=True) for n in range(cfg.num_hidden_layers))
         largest_layer = max(attention + _mlp_params(cfg, n) for n in range(cfg.num_hidden_layers))
         return cls(
             layers=cfg.num_hidden_layers, hidden=e, intermediate=cfg.intermediate_size, heads=heads,
