@@ -49,6 +49,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # 0: keep every checkpoint
     seed: int = 0
     yarn_factor: float | None = None
+    rope_scaling: str = "pretrained"  # yarn.ROPE_SCALING_CHOICES: keep the model's own scaling, or replace it
     kernel: str = "auto"
     keep_on_gpu: int | None = None  # None: from the memory plan (SequenceParallelCausalLM.plan_step)
     recompute_layers: int | None = None  # None: from the memory plan
@@ -199,6 +200,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
                    help=f"keep the newest N checkpoints, delete older ones (default {d.keep_checkpoints}; 0 keeps all)")
     p.add_argument("--yarn-factor", type=float, help="YaRN factor (default: seq-len / the model's trained length)")
+    p.add_argument("--rope-scaling", default=d.rope_scaling, choices=["pretrained", "yarn"],
+                   help="pretrained (default): keep the model's own RoPE scaling (llama3, yarn, longrope, ...) where it "
+                        "covers --seq-len, extend yarn / linear beyond it, add YaRN to an unscaled model; yarn: replace "
+                        "any pretrained scaling with YaRN over its pre-scaling length (a RoPE it was not trained with)")
     p.add_argument("--kernel", default=d.kernel, choices=list(KERNELS), help="attention kernel (auto: cuDNN SDPA on Hopper)")
     p.add_argument("--keep-on-gpu", type=int, help="checkpointed layers whose input stays on the GPU (default: as many as fit)")
     p.add_argument("--recompute-layers", type=int,
