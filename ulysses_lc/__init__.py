@@ -16,6 +16,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   rmsnorm.py        install_efficient_rmsnorm: RMSNorm saving its bf16 input
   chunked_loss.py   chunked_cross_entropy / install_chunked_loss_head: no [tokens x vocab] logits
   loss.py           sp_mean_loss: the sequence's mean loss over the SP group
+  preference.py     DPO / IPO: pairs packed as two documents, completion log-probs in chunks, the loss, references
   memory.py         plan_memory -> MemoryPlan: what each layer keeps, from free device and host memory
   memory_model.py   what a step holds per rank, in terms fitted to measured H200 peaks (the planner's prices)
   sizing.py         Job: predicted memory per rank, whether it fits, the longest sequence, the step time
@@ -39,6 +40,7 @@ from .explicit_attention import attention_head_groups
 from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, plan_memory, plan_step_memory
+from .preference import PreferenceBatch, PreferenceLoss, reference_log_probs, shard_pairs
 from .metrics import StepLogger, model_flops_per_step
 from .model import SequenceParallelCausalLM
 from .recompute import LayerRun, RecomputeContext
@@ -57,6 +59,8 @@ __all__ = [
     "MemoryPlan",
     "ModelShape",
     "ParallelLayout",
+    "PreferenceBatch",
+    "PreferenceLoss",
     "RecomputeContext",
     "SequenceParallelCausalLM",
     "ShardedBatch",
@@ -82,7 +86,9 @@ __all__ = [
     "plan_memory",
     "plan_step_memory",
     "reduce_gradients",
+    "reference_log_probs",
     "shard_batch",
+    "shard_pairs",
     "sp_mean_loss",
     "valid_sp_sizes",
     "yarn_rope_parameters",
