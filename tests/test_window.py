@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, GptOssConfig, Llama4TextConfig, MistralConfig, Qwen3_5TextConfig
+from transformers import Gemma3TextConfig, GptOssConfig, KimiLinearConfig, Llama4TextConfig, MistralConfig
 
 from tests.models import WINDOW_FAMILIES, build, tiny_config
 from ulysses_lc import check_model_for_ulysses, install_efficient_rmsnorm
@@ -147,6 +147,6 @@ def test_model_check_accepts_window_families_and_names_what_it_refuses():
     with pytest.raises(ValueError, match=r"\['chunked_attention'\].*or sp_size=1"):
         check_model_for_ulysses(Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8192), sp_size=2)
     with pytest.raises(ValueError, match=r"\['linear_attention'\]"):
-        check_model_for_ulysses(Qwen3_5TextConfig(num_hidden_layers=4), sp_size=2)
+        check_model_for_ulysses(KimiLinearConfig(num_hidden_layers=4), sp_size=2)
     with pytest.raises(ValueError, match="use_bidirectional_attention=False"):
         check_model_for_ulysses(Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True), sp_size=2)
