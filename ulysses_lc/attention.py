@@ -124,8 +124,8 @@ class UlyssesAttention:
             raise ValueError(_MASK_REFUSED)
         if kwargs.get("softcap") is not None:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
-                             f"(softcap={kwargs['softcap']}), which no kernel here computes; set "
-                             "config.attn_logit_softcapping=None or use sp_size=1 with attn_implementation='eager'.")
+                             f"(softcap={kwargs['softcap']}), which no kernel here computes at any sp; train this model "
+                             "without ulysses_lc, or set config.attn_logit_softcapping=None (a model change).")
         sp = self.layout.sp_size
         key = replicate_kv_heads(key, sp)
         value = replicate_kv_heads(value, sp)
@@ -281,7 +281,11 @@ _EXACT_LAYER_TYPES = {"full_attention", "attention", "sliding_attention"}
 
 
 def check_model_for_ulysses(config, sp_size: int) -> None:
-    """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size."""
+    """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size.
+
+    The attention is installed at every sp, sp 1 included, and transformers builds no mask for an attention
+    function of its own: whatever it cannot compute (bidirectional or chunked layers, soft-capped logits) is refused
+    at sp 1 as at sp 8, never trained as causal attention."""
     cfg = text_config(config)
     # gpt-oss has no SDPA path in transformers (its sinks), so it loads as 'eager'; Ulysses attention replaces it.
     if sp_size > 1 and cfg._attn_implementation == "eager" and not ModelShape.from_config(cfg).sinks:
@@ -294,15 +298,25 @@ def check_model_for_ulysses(config, sp_size: int) -> None:
     refused = sorted(layer_types - exact)
     if getattr(cfg, "attention_chunk_size", None):
         refused = sorted(set(refused) | {"chunked_attention"})
-    if refused and sp_size > 1:
+    if refused:
         raise ValueError(
-            f"{cfg.model_type} has layers of type {refused}; Ulysses sequence parallelism would silently train them "
-            "as full causal attention. Use a model whose layers are full or sliding-window attention (Qwen3, Llama, "
-            "Mistral, Gemma 3, gpt-oss) or gated DeltaNet (Qwen3.5, Qwen3-Next), or sp_size=1."
+            f"{cfg.model_type} has layers of type {refused}, which Ulysses attention (installed at every sp, sp 1 "
+            "included) would silently train as full causal attention. ulysses_lc trains full and sliding-window "
+            "attention (Qwen3, Llama, Mistral, Gemma 3, gpt-oss) and gated DeltaNet layers (Qwen3.5, Qwen3-Next); "
+            "train this model without ulysses_lc."
         )
-    if getattr(cfg, "use_bidirectional_attention", False) and sp_size > 1:
-        raise ValueError(f"{cfg.model_type} with use_bidirectional_attention=True attends to later tokens, which "
-                         "the causal kernels here do not; set use_bidirectional_attention=False or sp_size=1.")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"{cfg.model_type} with use_bidirectional_attention=True attends to later tokens, which the "
+                         "causal kernels here (installed at every sp, sp 1 included) do not; set "
+                         "config.use_bidirectional_attention=False for a causal LM, or train this model without "
+                         "ulysses_lc.")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError(f"{cfg.model_type} soft-caps its attention logits (attn_logit_softcapping="
+                         f"{cfg.attn_logit_softcapping}), which no kernel here computes, at any sp; train this model "
+                         "without ulysses_lc, or set config.attn_logit_softcapping=None (a model change).")
+    if getattr(cfg, "attention_dropout", 0.0) and layer_types & {"sliding_attention"}:
+        raise ValueError(f"attention dropout {cfg.attention_dropout} with sliding-window layers: the window kernels "
+                         "run without dropout; set config.attention_dropout=0.")
     shape = ModelShape.from_config(cfg)
     check_heads(shape.heads, shape.kv_heads, sp_size)
     if "linear_attention" in layer_types and not refused:
