@@ -8,6 +8,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, per document for packed sequences
   explicit_attention.py  SDPA's forward/backward ops called directly: kept outputs, head groups
   window_attention.py  sliding-window causal attention and attention sinks (Mistral, Gemma 3, gpt-oss), exact
+  linear_attention.py  gated DeltaNet layers (Qwen3.5, Qwen3-Next): exchange, then conv and recurrence whole (fla/torch)
   attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
   recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
   checkpointing.py  install_checkpointing: per-layer checkpoints, what is offloaded and when
@@ -39,6 +40,7 @@ from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .handle import Handle
 from .explicit_attention import attention_head_groups
 from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
+from .linear_attention import install_linear_attention
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, plan_memory, plan_step_memory
 from .preference import PreferenceBatch, PreferenceLoss, reference_log_probs, shard_pairs
@@ -79,6 +81,7 @@ __all__ = [
     "install_checkpointing",
     "install_chunked_loss_head",
     "install_efficient_rmsnorm",
+    "install_linear_attention",
     "install_tiled_mlp",
     "install_ulysses_attention",
     "load_deepspeed_config",
