@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Llama4TextConfig, MistralConfig, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, KimiLinearConfig, Llama4TextConfig, MistralConfig
 
 from tests.models import VOCAB, build, tiny_config
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, check_model_for_ulysses, shard_batch
@@ -31,14 +31,15 @@ def test_heads_not_divisible_lists_valid_sizes():
 @pytest.mark.parametrize(
     "config",
     [
-        Qwen3_5TextConfig(num_hidden_layers=4),  # three linear-attention layers in four
+        KimiLinearConfig(num_hidden_layers=4),  # linear attention of a kind other than the gated DeltaNet
         Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8192),
     ],
-    ids=["qwen3.5", "llama4-chunked"],
+    ids=["kimi-linear", "llama4-chunked"],
 )
 def test_local_attention_models_refused(config):
-    # Sliding-window models are trained (test_window.py); these layer types would be silently wrong.
-    with pytest.raises(ValueError, match="would silently train them as full causal attention"):
+    # Sliding-window and gated DeltaNet models are trained (test_window.py, test_linear_parity.py); these layer types
+    # would be silently wrong.
+    with pytest.raises(ValueError, match="would silently train as full causal attention"):
         check_model_for_ulysses(config, sp_size=2)
     check_model_for_ulysses(tiny_config("qwen3"), sp_size=2)  # full attention passes
 
@@ -92,3 +93,18 @@ def test_registration_never_overwrites_and_is_reversible():
     assert AttentionInterface._global_mapping[attn.name] is attn
     attn.unregister()
     assert attn.name not in AttentionInterface._global_mapping
+
+
+def test_bidirectional_gemma3_is_refused_at_sp_1_as_at_sp_2():
+    """The review's case: at sp 1 the wrapped bidirectional Gemma 3 trained as causal (loss 4.618591 against the plain
+    model's 4.628541) because the refusal applied only at sp > 1 while the attention is installed at every sp."""
+    config = tiny_config("gemma3", use_bidirectional_attention=True)
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    causal = AutoModelForCausalLM.from_config(tiny_config("gemma3"), dtype=torch.float32)
+    causal.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the plain model really attends both ways: training it as causal would be wrong
+        assert not torch.allclose(model(input_ids=ids).logits, causal(input_ids=ids).logits)
+    for sp in (1, 2):
+        with pytest.raises(ValueError, match="use_bidirectional_attention=False"):
+            SequenceParallelCausalLM(model, layout(sp, sp))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, GptOssConfig, Llama4TextConfig, MistralConfig, Qwen3_5TextConfig
+from transformers import Gemma3TextConfig, GptOssConfig, KimiLinearConfig, Llama4TextConfig, MistralConfig
 
 from tests.models import WINDOW_FAMILIES, build, tiny_config
 from ulysses_lc import check_model_for_ulysses, install_efficient_rmsnorm
@@ -144,9 +144,15 @@ def test_model_check_accepts_window_families_and_names_what_it_refuses():
                    GptOssConfig(num_hidden_layers=2), tiny_config("qwen3", use_sliding_window=True, sliding_window=16,
                                                                    max_window_layers=0)):
         check_model_for_ulysses(config, sp_size=2)
-    with pytest.raises(ValueError, match=r"\['chunked_attention'\].*or sp_size=1"):
-        check_model_for_ulysses(Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8192), sp_size=2)
-    with pytest.raises(ValueError, match=r"\['linear_attention'\]"):
-        check_model_for_ulysses(Qwen3_5TextConfig(num_hidden_layers=4), sp_size=2)
-    with pytest.raises(ValueError, match="use_bidirectional_attention=False"):
-        check_model_for_ulysses(Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True), sp_size=2)
+    # Refused at every sp, sp 1 included: the Ulysses attention is installed there too, and transformers builds no
+    # mask for it, so a bidirectional layer was trained as causal at sp 1 (issue 28, item 2). No message offers
+    # sp_size=1 as the fix.
+    for sp in (1, 2):
+        for config, what in ((Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8192), r"\['chunked_attention'\]"),
+                             (KimiLinearConfig(num_hidden_layers=4), r"\['linear_attention'\]"),
+                             (Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True),
+                              "use_bidirectional_attention=False"),
+                             (tiny_config("gemma3", attn_logit_softcapping=50.0), "attn_logit_softcapping")):
+            with pytest.raises(ValueError, match=what) as refused:
+                check_model_for_ulysses(config, sp_size=sp)
+            assert "sp_size=1" not in str(refused.value) and " sp" in str(refused.value)

@@ -32,6 +32,7 @@ from .explicit_attention import (
 )
 from .kernels import KERNELS, causal_attention, document_attention, flash_attn_func, resolve_kernel
 from .layout import ParallelLayout, check_heads
+from .linear_attention import LINEAR_MODEL_TYPES, check_linear_heads, install_linear_attention
 from .recompute import LayerRun, RecomputeContext
 from .shape import ModelShape, text_config
 from .window_attention import window_attention
@@ -123,8 +124,8 @@ class UlyssesAttention:
             raise ValueError(_MASK_REFUSED)
         if kwargs.get("softcap") is not None:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
-                             f"(softcap={kwargs['softcap']}), which no kernel here computes; set "
-                             "config.attn_logit_softcapping=None or use sp_size=1 with attn_implementation='eager'.")
+                             f"(softcap={kwargs['softcap']}), which no kernel here computes at any sp; train this model "
+                             "without ulysses_lc, or set config.attn_logit_softcapping=None (a model change).")
         sp = self.layout.sp_size
         key = replicate_kv_heads(key, sp)
         value = replicate_kv_heads(value, sp)
@@ -227,6 +228,7 @@ class UlyssesAttention:
                     f"{shape.kv_heads} kv heads over sp_size {sp} = {local_kv}; pick a divisor of "
                     f"{local_kv}, or head_groups='auto'."
                 )
+        linear = install_linear_attention(model, self.layout)
         self.register()
         previous = model.config._attn_implementation
         _set_attn(model, self.name)
@@ -237,9 +239,10 @@ class UlyssesAttention:
             hook.remove()
             _set_attn(model, previous)
             self.unregister()
+            linear.undo()
 
         handle = Handle(undo, f"ulysses attention ({self.kernel})")
-        handle.attention = self
+        handle.attention, handle.linear = self, linear
         return handle
 
 
@@ -278,7 +281,11 @@ _EXACT_LAYER_TYPES = {"full_attention", "attention", "sliding_attention"}
 
 
 def check_model_for_ulysses(config, sp_size: int) -> None:
-    """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size."""
+    """Raise ValueError if this model cannot be trained exactly with Ulysses attention at sp_size.
+
+    The attention is installed at every sp, sp 1 included, and transformers builds no mask for an attention
+    function of its own: whatever it cannot compute (bidirectional or chunked layers, soft-capped logits) is refused
+    at sp 1 as at sp 8, never trained as causal attention."""
     cfg = text_config(config)
     # gpt-oss has no SDPA path in transformers (its sinks), so it loads as 'eager'; Ulysses attention replaces it.
     if sp_size > 1 and cfg._attn_implementation == "eager" and not ModelShape.from_config(cfg).sinks:
@@ -287,20 +294,33 @@ def check_model_for_ulysses(config, sp_size: int) -> None:
             "ranks; load it with attn_implementation='sdpa' (ulysses_lc then switches it to Ulysses attention)."
         )
     layer_types = set(getattr(cfg, "layer_types", None) or [])
-    refused = sorted(layer_types - _EXACT_LAYER_TYPES)
+    exact = _EXACT_LAYER_TYPES | ({"linear_attention"} if cfg.model_type in LINEAR_MODEL_TYPES else set())
+    refused = sorted(layer_types - exact)
     if getattr(cfg, "attention_chunk_size", None):
         refused = sorted(set(refused) | {"chunked_attention"})
-    if refused and sp_size > 1:
+    if refused:
         raise ValueError(
-            f"{cfg.model_type} has layers of type {refused}; Ulysses sequence parallelism would silently train them "
-            "as full causal attention. Use a model whose layers are full or sliding-window attention (Qwen3, Llama, "
-            "Mistral, Gemma 3, gpt-oss), or sp_size=1."
+            f"{cfg.model_type} has layers of type {refused}, which Ulysses attention (installed at every sp, sp 1 "
+            "included) would silently train as full causal attention. ulysses_lc trains full and sliding-window "
+            "attention (Qwen3, Llama, Mistral, Gemma 3, gpt-oss) and gated DeltaNet layers (Qwen3.5, Qwen3-Next); "
+            "train this model without ulysses_lc."
         )
-    if getattr(cfg, "use_bidirectional_attention", False) and sp_size > 1:
-        raise ValueError(f"{cfg.model_type} with use_bidirectional_attention=True attends to later tokens, which "
-                         "the causal kernels here do not; set use_bidirectional_attention=False or sp_size=1.")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"{cfg.model_type} with use_bidirectional_attention=True attends to later tokens, which the "
+                         "causal kernels here (installed at every sp, sp 1 included) do not; set "
+                         "config.use_bidirectional_attention=False for a causal LM, or train this model without "
+                         "ulysses_lc.")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError(f"{cfg.model_type} soft-caps its attention logits (attn_logit_softcapping="
+                         f"{cfg.attn_logit_softcapping}), which no kernel here computes, at any sp; train this model "
+                         "without ulysses_lc, or set config.attn_logit_softcapping=None (a model change).")
+    if getattr(cfg, "attention_dropout", 0.0) and layer_types & {"sliding_attention"}:
+        raise ValueError(f"attention dropout {cfg.attention_dropout} with sliding-window layers: the window kernels "
+                         "run without dropout; set config.attention_dropout=0.")
     shape = ModelShape.from_config(cfg)
     check_heads(shape.heads, shape.kv_heads, sp_size)
+    if "linear_attention" in layer_types and not refused:
+        check_linear_heads(cfg, sp_size)
 
 
 __all__ = ["UlyssesAttention", "check_model_for_ulysses", "install_ulysses_attention", "kept_output_attention",

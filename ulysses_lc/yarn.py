@@ -1,33 +1,44 @@
-"""YaRN position rescaling so a model can train on sequences longer than it was trained on.
+"""RoPE for the target length: the model's own scaling kept as pretrained, or YaRN where it has none.
 
-A RoPE model only knows the positions it was trained on; YaRN (https://arxiv.org/abs/2309.00071)
-interpolates the low-frequency rotary dimensions by `factor` (and leaves the high-frequency
-ones alone), so positions up to trained_length * factor land back in the known range. We only
-write the transformers v5 config for it; transformers' own `_compute_yarn_parameters` computes
-the inverse frequencies and the attention factor, so they are identical to a config written by
-hand the documented way:
+A RoPE model only knows the positions it was trained on. What `plan_rope` does, by the config's `rope_type` (of
+the full-attention layers where RoPE is per layer type):
+
+| rope_type | within the length it covers | beyond it |
+|---|---|---|
+| default (no scaling) | nothing | YaRN over the trained length |
+| yarn | kept | its factor raised to cover the target (its recipe keys kept) |
+| linear | kept | its factor raised to cover the target |
+| llama3, longrope, dynamic | kept | refused, naming the choices: a shorter --seq-len, or `rope_scaling="yarn"` |
+
+A pretrained long-context scaling (Llama 3.x's llama3, Phi-3's longrope) is never replaced by a fresh YaRN over
+its pre-scaling length unless asked for with `rope_scaling="yarn"`: the model would train with a RoPE it was never
+pretrained with. Covered length: yarn and linear `original_max_position_embeddings x factor`; the others
+`max_position_embeddings` (llama3's factor is no length multiple: Llama 3.1 covers 131,072 with factor 8 over 8,192).
+
+YaRN (https://arxiv.org/abs/2309.00071) interpolates the low-frequency rotary dimensions by `factor` and leaves
+the high-frequency ones alone, so positions up to trained_length * factor land back in the known range. We only
+write the transformers v5 config for it; transformers' own `_compute_yarn_parameters` computes the inverse
+frequencies and the attention factor, so they are identical to a config written by hand the documented way:
 
     rope_parameters = {"rope_type": "yarn", "rope_theta": <model's theta>, "factor": f,
                        "original_max_position_embeddings": <trained length>}
 
-Trained length: `max_position_embeddings` for an unscaled model; for a config that already
-carries scaling (yarn, llama3, longrope, ...), its `original_max_position_embeddings`, since
-max_position_embeddings is then already the scaled length.
+Per-layer-type RoPE (Gemma 3: a local base for its sliding-window layers, a global one for its full layers): only
+the full-attention layers' entry is planned. A sliding layer only ever sees keys within its window, so its
+relative positions stay inside what it was trained on at any length.
 
-Per-layer-type RoPE (Gemma 3: a local base for its sliding-window layers, a global one for its full layers):
-only the full-attention layers' entry is rescaled. A sliding layer only ever sees keys within its window, so its
-relative positions stay inside what it was trained on at any length. A global entry that is already "linear"
-(Gemma 3's own long-context recipe) keeps that form with its factor raised to cover the target, as the family was
-stretched, rather than being replaced by YaRN.
+Under sequence parallelism each rank computes RoPE from its own slice of positions. longrope and dynamic pick
+their frequencies from the largest position a forward sees, so past their original length the ranks of one
+sequence would rotate with different frequencies: `plan_rope(..., sp_size=)` refuses that.
 
-max_position_embeddings becomes the target length. transformers checks that
-max_position_embeddings / original_max_position_embeddings equals `factor` and warns
-otherwise, so with an explicit factor we raise it to trained * factor when that is larger.
+max_position_embeddings is only ever raised (to the target, or to trained * factor when that is larger, since
+transformers warns when max_position_embeddings / original_max_position_embeddings differs from `factor`).
 """
 
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +47,11 @@ logger = logging.getLogger(__name__)
 _YARN_RECIPE_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 # from_pretrained arguments that also locate the config.
 _CONFIG_KWARGS = ("revision", "trust_remote_code", "cache_dir", "token", "local_files_only", "subfolder")
+# Pretrained scalings with no well-defined longer form: kept within their range, refused beyond it.
+_FIXED_TYPES = ("llama3", "longrope", "dynamic")
+# Scalings whose frequencies depend on the largest position a forward sees (transformers' dynamic_rope_update).
+_POSITION_DEPENDENT = ("longrope", "dynamic")
+ROPE_SCALING_CHOICES = ("pretrained", "yarn")
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,78 +82,147 @@ def _rope_parameters(config) -> dict:
     return {**params, "rope_theta": theta}
 
 
+def _original(config, params: dict) -> int | None:
+    original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return int(original) if original else None
+
+
 def trained_length(config) -> int:
-    """The sequence length the model was trained on, before any RoPE scaling in its config."""
+    """The sequence length the model was trained on before any RoPE scaling in its config."""
     params = _rope_parameters(config)
     if params.get("rope_type", "default") != "default":
-        original = params.get("original_max_position_embeddings") or getattr(
-            config, "original_max_position_embeddings", None
-        )
+        original = _original(config, params)
         if original:
-            return int(original)
+            return original
     return int(config.max_position_embeddings)
 
 
-def _plan(config, target_length: int, factor: float | None) -> tuple[dict, int] | None:
-    if not isinstance(target_length, int) or target_length < 1:
-        raise ValueError(f"target_length must be a positive int (tokens), got {target_length!r}.")
+def covered_length(config) -> int:
+    """The longest sequence the model's RoPE covers as configured (its own scaling included; module docstring)."""
     params = _rope_parameters(config)
-    trained = trained_length(config)
-    needed = target_length / trained
-    if factor is None:
-        if target_length <= trained:
-            _log_once(
-                logging.INFO,
-                f"target length {target_length} is within the trained length {trained}; no RoPE scaling applied.",
-            )
-            return None
-        factor = needed
-    else:
-        if factor <= 1.0:
-            raise ValueError(f"factor must be > 1 (the length multiple over {trained} tokens), got {factor}.")
-        if factor < needed:
-            _log_once(
-                logging.WARNING,
-                f"factor={factor} covers {int(trained * factor)} tokens but the target is {target_length}; "
-                f"positions past that are extrapolated. factor={needed:g} would cover the target.",
-            )
-    factor = float(factor)
-    if _per_layer_type(config) and params.get("rope_type") == "linear":
-        linear = {**params, "factor": params.get("factor", 1.0) * factor}
-        return linear, max(target_length, math.ceil(trained * factor))
-    yarn = {
-        "rope_type": "yarn",
-        "rope_theta": params["rope_theta"],
-        "factor": factor,
-        "original_max_position_embeddings": trained,
-    }
+    kind, original = params.get("rope_type", "default"), _original(config, params)
+    if kind in ("yarn", "linear") and original:
+        return int(original * params.get("factor", 1.0))
+    return int(config.max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class RopePlan:
+    """What `plan_rope` decided: action is 'none' (no scaling needed), 'kept' (the pretrained scaling covers the
+    target), 'extended' (its own factor raised), 'yarn' (YaRN added to an unscaled model) or 'replaced' (a
+    pretrained scaling replaced by YaRN, as asked); params / max_positions are what the config gets (None: as is)."""
+
+    action: str
+    summary: str  # one phrase for the start-up block
+    params: dict | None = None
+    max_positions: int | None = None
+
+    def apply(self, config):
+        """Write the plan into `config` (in place) and return it."""
+        if self.params is not None:
+            params = self.params
+            if _per_layer_type(config):
+                params = {**config.rope_parameters, "full_attention": params}
+            config.rope_parameters = params
+            config.max_position_embeddings = max(int(config.max_position_embeddings), self.max_positions)
+        return config
+
+
+def _yarn(params: dict, trained: int, factor: float) -> dict:
+    yarn = {"rope_type": "yarn", "rope_theta": params["rope_theta"], "factor": factor,
+            "original_max_position_embeddings": trained}
     if "partial_rotary_factor" in params:
         yarn["partial_rotary_factor"] = params["partial_rotary_factor"]
     if params.get("rope_type") == "yarn":
         yarn.update({key: params[key] for key in _YARN_RECIPE_KEYS if key in params})
-    max_positions = max(target_length, math.ceil(trained * factor))
-    return yarn, max_positions
+    return yarn
 
 
-def yarn_rope_parameters(config, target_length: int, factor: float | None = None) -> dict | None:
-    """The v5 `rope_parameters` dict for YaRN up to `target_length`, or None when no scaling is needed.
+def _check_factor(factor, trained: int, target_length: int) -> None:
+    if factor <= 1.0:
+        raise ValueError(f"factor must be > 1 (the length multiple over {trained} tokens), got {factor}.")
+    if factor * trained < target_length:
+        _log_once(logging.WARNING, f"factor={factor} covers {int(trained * factor)} tokens but the target is "
+                                   f"{target_length}; positions past that are extrapolated. factor="
+                                   f"{target_length / trained:g} would cover the target.")
 
-    factor: overrides target_length / trained_length (which is not rounded, so it always covers the target).
+
+def plan_rope(config, target_length: int, factor: float | None = None, *, rope_scaling: str = "pretrained",
+              sp_size: int = 1) -> RopePlan:
+    """Decide the RoPE for `target_length` tokens (module docstring's table); ValueError with the choices where
+    the model's own scaling cannot be extended, or would differ between the ranks of an SP group.
+
+    factor: the scaling factor over the pre-scaling length instead of target_length / that length.
+    rope_scaling: 'pretrained' keeps or extends the model's own scaling; 'yarn' replaces any with YaRN on purpose.
     """
-    plan = _plan(config, target_length, factor)
-    return None if plan is None else plan[0]
+    plan = _decide(config, target_length, factor, rope_scaling, sp_size)
+    _log_once(logging.INFO, f"RoPE for {target_length:,} tokens: {plan.summary}.")
+    return plan
 
 
-def apply_yarn(config, target_length: int, factor: float | None = None):
-    """Set YaRN `rope_parameters` and `max_position_embeddings` on `config` (in place) and return it; with
-    per-layer-type parameters, those of the full-attention layers (module docstring)."""
-    plan = _plan(config, target_length, factor)
-    if plan is not None:
-        params, config.max_position_embeddings = plan
-        if _per_layer_type(config):
-            params = {**config.rope_parameters, "full_attention": params}
-        config.rope_parameters = params
-    return config
+def _decide(config, target_length, factor, rope_scaling, sp_size) -> RopePlan:
+    if not isinstance(target_length, int) or target_length < 1:
+        raise ValueError(f"target_length must be a positive int (tokens), got {target_length!r}.")
+    if rope_scaling not in ROPE_SCALING_CHOICES:
+        raise ValueError(f"rope_scaling must be one of {ROPE_SCALING_CHOICES}, got {rope_scaling!r}.")
+    params = _rope_parameters(config)
+    kind, trained, covered = params.get("rope_type", "default"), trained_length(config), covered_length(config)
+    if rope_scaling == "yarn" and kind != "default":
+        factor = float(factor or target_length / trained)
+        _check_factor(factor, trained, target_length)
+        return RopePlan("replaced", f"YaRN factor {factor:g} over {trained:,} tokens, replacing the pretrained "
+                        f"{kind} scaling (rope_scaling='yarn')", _yarn({**params, "rope_type": "default"}, trained,
+                        factor), max(target_length, math.ceil(trained * factor)))
+    if kind == "default":
+        if factor is None and target_length <= trained:
+            return RopePlan("none", f"no RoPE scaling (within the trained length {trained:,})")
+        factor = float(factor or target_length / trained)
+        _check_factor(factor, trained, target_length)
+        return RopePlan("yarn", f"YaRN factor {factor:g} over the trained length {trained:,}",
+                        _yarn(params, trained, factor), max(target_length, math.ceil(trained * factor)))
+    if kind in _FIXED_TYPES:
+        if factor is not None:
+            raise ValueError(f"A {kind} RoPE has no YaRN factor: --yarn-factor / factor={factor} would replace the "
+                             f"model's pretrained scaling. Drop it, or ask for the replacement with --rope-scaling yarn "
+                             f"(rope_scaling='yarn').")
+        if target_length > covered:
+            raise ValueError(
+                f"{target_length:,} tokens are beyond the {covered:,} that this model's pretrained {kind} RoPE covers, "
+                f"and {kind} has no well-defined longer form. Choices: --seq-len {covered} or less (the model as "
+                f"pretrained), or --rope-scaling yarn (rope_scaling='yarn'): YaRN over its pre-scaling "
+                f"{trained:,} tokens, a RoPE it was not pretrained with.")
+        if kind in _POSITION_DEPENDENT and sp_size > 1 and target_length > trained:
+            raise ValueError(
+                f"{kind} RoPE picks its frequencies from the largest position each forward sees, so past {trained:,} "
+                f"tokens the {sp_size} ranks of one sequence (each with its own slice of positions) would rotate with "
+                f"different frequencies. Choices: sp_size 1, --seq-len {trained} or less, or --rope-scaling yarn.")
+        return RopePlan("kept", f"the pretrained {kind} RoPE kept (it covers {covered:,} tokens)")
+    if kind not in ("yarn", "linear"):
+        raise ValueError(f"Unknown rope_type {kind!r}: ulysses_lc keeps default, yarn, linear, llama3, longrope and "
+                         f"dynamic RoPE as pretrained. Train within {covered:,} tokens or --rope-scaling yarn.")
+    if factor is None and target_length <= covered:
+        return RopePlan("kept", f"the pretrained {kind} RoPE kept (factor {params.get('factor', 1.0):g}, it covers "
+                        f"{covered:,} tokens)")
+    base = _original(config, params) or covered / params.get("factor", 1.0)
+    new_factor = float(factor or params.get("factor", 1.0) * target_length / covered)
+    _check_factor(new_factor, base, target_length)
+    extended = {**params, "factor": new_factor} if kind == "linear" else _yarn(params, trained, new_factor)
+    return RopePlan("extended", f"the pretrained {kind} RoPE extended: factor {params.get('factor', 1.0):g} -> "
+                    f"{new_factor:g} to cover {target_length:,} tokens", extended,
+                    max(target_length, math.ceil(base * new_factor)))
+
+
+def yarn_rope_parameters(config, target_length: int, factor: float | None = None, *,
+                         rope_scaling: str = "pretrained") -> dict | None:
+    """The v5 `rope_parameters` dict `apply_yarn` would set for `target_length` (the full-attention layers' where
+    RoPE is per layer type), or None when the config stays as it is."""
+    return plan_rope(config, target_length, factor, rope_scaling=rope_scaling).params
+
+
+def apply_yarn(config, target_length: int, factor: float | None = None, *, rope_scaling: str = "pretrained",
+               sp_size: int = 1):
+    """Plan the RoPE for `target_length` (`plan_rope`) and write it into `config` in place; returns the config."""
+    return plan_rope(config, target_length, factor, rope_scaling=rope_scaling, sp_size=sp_size).apply(config)
 
 
 def describe_rope_scaling(config) -> str:
@@ -145,15 +230,17 @@ def describe_rope_scaling(config) -> str:
     params, where = getattr(config, "rope_parameters", None) or {}, ""
     if _per_layer_type(config):
         params, where = params.get("full_attention") or {}, " on the full-attention layers"
-    if params.get("rope_type") == "yarn":
+    kind = params.get("rope_type", "default")
+    if kind == "yarn":
         return f"YaRN factor {params['factor']:g}{where}"
-    if params.get("rope_type") == "linear":
-        return f"linear RoPE factor {params['factor']:g}{where}"
-    return "no YaRN (within the trained length)"
+    if kind == "default":
+        return "no RoPE scaling (within the trained length)"
+    return f"{kind} RoPE" + (f" factor {params['factor']:g}" if "factor" in params else "") + where
 
 
-def load_model_for_length(name_or_path: str, target_length: int, factor: float | None = None, **from_pretrained_kwargs):
-    """`AutoModelForCausalLM.from_pretrained` with YaRN configured for `target_length` tokens.
+def load_model_for_length(name_or_path: str, target_length: int, factor: float | None = None, *,
+                          rope_scaling: str = "pretrained", **from_pretrained_kwargs):
+    """`AutoModelForCausalLM.from_pretrained` with its RoPE planned for `target_length` tokens (`plan_rope`).
 
     Extra keyword arguments go to from_pretrained (those that locate files also to AutoConfig);
     a `config=` argument is used as the base config instead of loading one.
@@ -164,8 +251,9 @@ def load_model_for_length(name_or_path: str, target_length: int, factor: float |
     if config is None:
         config_kwargs = {k: from_pretrained_kwargs[k] for k in _CONFIG_KWARGS if k in from_pretrained_kwargs}
         config = AutoConfig.from_pretrained(name_or_path, **config_kwargs)
-    apply_yarn(config, target_length, factor)
+    apply_yarn(config, target_length, factor, rope_scaling=rope_scaling)
     return AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
 
 
-__all__ = ["apply_yarn", "describe_rope_scaling", "load_model_for_length", "trained_length", "yarn_rope_parameters"]
+__all__ = ["ROPE_SCALING_CHOICES", "RopePlan", "apply_yarn", "covered_length", "describe_rope_scaling",
+           "load_model_for_length", "plan_rope", "trained_length", "yarn_rope_parameters"]

@@ -80,7 +80,7 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
                   limits_line: str | None = None) -> str:
     """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory,
     and against `limits_line`'s limits (estimate.fit) whether the plan fits."""
-    yarn = describe_rope_scaling(checked.model_config)
+    yarn = checked.rope or describe_rope_scaling(checked.model_config)
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
     m = estimate.memory

@@ -20,11 +20,11 @@ from ..data import parse_source
 from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
 from ..layout import ParallelLayout
 from ..peft_support import count_trainable_parameters, lora_config
-from ..yarn import apply_yarn
+from ..yarn import plan_rope
 from ..zero_reshard import check_complete
 from .run_state import CHECKPOINT_DIR, check_output_dir, find_latest_run, latest_tag, saved_layout
 from .config import TrainConfig
-from .loading import load_model_config
+from .loading import hub_offline, load_model_config
 from .resume import check_kept, resolve, saved_settings
 
 
@@ -61,6 +61,7 @@ class Checked:
     trainable_params: int | None = None  # --lora-r: the adapters' parameters (None: every parameter trains)
     global_batch: int = 1  # sequences per optimizer step: dp_size x gradient accumulation
     saved: dict | None = None  # --resume: the checkpoint's layout (run_state.saved_layout)
+    rope: str = ""  # what yarn.plan_rope did, for the start-up block
     cfg: TrainConfig | None = None  # the settings the run trains with: on --resume, the saved run's where not named
     changed: dict | None = None  # --resume: the named changes that apply, {field: (saved, now)} (resume.resolve)
 
@@ -133,17 +134,23 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
             except ImportError as e:
                 raise ValueError(f"{flag} needs the {extra} package ({e}); pip install 'ulysses_lc[{extra}]' or drop "
                                  f"{flag}.") from e
-    parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
+    source = parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
+    if source.kind == "hub" and not cfg.dry_run and (offline := hub_offline()):
+        # Its first rows are read before the weights load (data.check_source): without the hub that only fails later.
+        raise ValueError(f"--data {cfg.data} streams from the Hugging Face hub, which cannot be reached here "
+                         f"({offline}); pass --data tiny (generated text) or local data files (.jsonl, .parquet, "
+                         ".txt, or a folder of them).")
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
-    apply_yarn(model_config, cfg.seq_len, cfg.yarn_factor)
+    rope = plan_rope(model_config, cfg.seq_len, cfg.yarn_factor, rope_scaling=cfg.rope_scaling, sp_size=sp_size)
+    rope.apply(model_config)
     peft_config = trainable = None
     if cfg.lora_r:
         peft_config = lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
         # On the meta device, in seconds: a target the model does not have fails here, before any weight loads.
         _, trainable = count_trainable_parameters(model_config, peft_config)
     return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable, global_batch, saved,
-                   cfg, changed)
+                   rope.summary, cfg, changed)
 
 
 def _global_batch(cfg: TrainConfig, layout: ParallelLayout, saved: dict | None) -> int:

@@ -33,6 +33,7 @@ KEPT = {
     "lora_alpha": "the adapters' scale is part of what they learned",
     "lora_dropout": "the adapters trained with this dropout; a resume continues, it does not change the recipe",
     "yarn_factor": "the weights trained with these RoPE positions",
+    "rope_scaling": "the weights trained with these RoPE positions",
     "ds_config": "the optimizer state was saved in this config's form (precision, optimizer, offload)",
     "lr_schedule": "the schedule continues from the checkpoint's; change --lr or --steps instead",
     "warmup_steps": "the schedule continues from the checkpoint's; change --lr or --steps instead",
