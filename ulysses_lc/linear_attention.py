@@ -136,14 +136,31 @@ def _torch_conv(x_bsc, weight_ck, bias_c, bounds):
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _torch_rule(module, q, k, v, g, beta, bounds):
-    """transformers' own chunked gated delta rule (the layer's modeling module's torch function), per document."""
+# Tokens of one call of transformers' torch rule (a multiple of its 64-token chunk): longer runs go through it in
+# segments, each starting from the last one's state. Its chunk loop writes each chunk's output into one preallocated
+# tensor, whose backward copies the whole gradient once per chunk: O(T^2) traffic. Measured on an H200 at 262,144
+# tokens (Qwen3_5TextConfig's 32 value heads of 128, benchmarks/bench_deltanet.py, 2026-12-01): 0.89 s forward,
+# 81.6 s forward + backward in one call. Segments bound that to T x (segment / 64) and keep the 64-token chunks
+# where one call puts them, so each chunk's numbers are the same ops on the same values.
+TORCH_SEGMENT_TOKENS = 1024
+
+
+def _torch_rule(module, q, k, v, g, beta, bounds, segment: int = TORCH_SEGMENT_TOKENS):
+    """transformers' own chunked gated delta rule (the layer's modeling module's torch function), per document, in
+    segments of `segment` tokens carrying the recurrent state from one to the next."""
     fn = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
     fn = getattr(fn, "__wrapped__", fn)  # transformers puts fla's kernel behind it where fla is installed
     if q.shape[2] != v.shape[2]:  # grouped value heads (5.17 repeats in the layer, 5.24 in the function)
         q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
-    outs = [fn(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], use_qk_l2norm_in_kernel=True)[0]
-            for a, b in _segments(bounds, q.shape[1])]
+    outs = []
+    for a, b in _segments(bounds, q.shape[1]):
+        state = None
+        for start in range(a, b, segment):
+            end = min(start + segment, b)
+            out, state = fn(q[:, start:end], k[:, start:end], v[:, start:end], g=g[:, start:end],
+                            beta=beta[:, start:end], initial_state=state, output_final_state=end < b,
+                            use_qk_l2norm_in_kernel=True)
+            outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
