@@ -142,7 +142,7 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
         logger.info(startup_block(
             out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
             kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if device.type == "cuda" else "cpu",
-            limits_line=limits_line))
+            limits_line=limits_line, deltanet=model.deltanet))
     estimate.check()
 
     start_step = 0
