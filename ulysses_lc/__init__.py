@@ -8,6 +8,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, per document for packed sequences
   explicit_attention.py  SDPA's forward/backward ops called directly: kept outputs, head groups
   window_attention.py  sliding-window causal attention and attention sinks (Mistral, Gemma 3, gpt-oss), exact
+  linear_attention.py  gated DeltaNet layers (Qwen3.5, Qwen3-Next): exchange, then conv and recurrence whole (fla/torch)
   attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
   recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
   checkpointing.py  install_checkpointing: per-layer checkpoints, what is offloaded and when
@@ -16,6 +17,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   rmsnorm.py        install_efficient_rmsnorm: RMSNorm saving its bf16 input
   chunked_loss.py   chunked_cross_entropy / install_chunked_loss_head: no [tokens x vocab] logits
   loss.py           sp_mean_loss: the sequence's mean loss over the SP group
+  preference.py     DPO / IPO: pairs packed as two documents, completion log-probs in chunks, the loss, references
   memory.py         plan_memory -> MemoryPlan: what each layer keeps, from free device and host memory
   memory_model.py   what a step holds per rank, in terms fitted to measured H200 peaks (the planner's prices)
   sizing.py         Job: predicted memory per rank, whether it fits, the longest sequence, the step time
@@ -23,6 +25,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   yarn.py           apply_yarn: YaRN RoPE scaling in the config, before weights load
   ds_config.py      DeepSpeed config checks
   hf_trainer.py     UlyssesTrainer: the same step inside transformers' Trainer or TRL's SFTTrainer
+  hf_dpo.py         ulysses_trainer(DPOTrainer): TRL's DPO rows as packed pairs, its loss on SP log-probabilities
   distributed.py    init_distributed: one process-group start for deepspeed, torchrun, accelerate and plain python
 Every install_* returns a Handle whose undo() gives the model back as it was. The main job that strings them
 together (flags, checks, loop, checkpoints, export) is `ulysses_lc.train`.
@@ -37,8 +40,10 @@ from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .handle import Handle
 from .explicit_attention import attention_head_groups
 from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
+from .linear_attention import install_linear_attention
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, plan_memory, plan_step_memory
+from .preference import PreferenceBatch, PreferenceLoss, reference_log_probs, shard_pairs
 from .metrics import StepLogger, model_flops_per_step
 from .model import SequenceParallelCausalLM
 from .recompute import LayerRun, RecomputeContext
@@ -57,6 +62,8 @@ __all__ = [
     "MemoryPlan",
     "ModelShape",
     "ParallelLayout",
+    "PreferenceBatch",
+    "PreferenceLoss",
     "RecomputeContext",
     "SequenceParallelCausalLM",
     "ShardedBatch",
@@ -74,6 +81,7 @@ __all__ = [
     "install_checkpointing",
     "install_chunked_loss_head",
     "install_efficient_rmsnorm",
+    "install_linear_attention",
     "install_tiled_mlp",
     "install_ulysses_attention",
     "load_deepspeed_config",
@@ -82,7 +90,9 @@ __all__ = [
     "plan_memory",
     "plan_step_memory",
     "reduce_gradients",
+    "reference_log_probs",
     "shard_batch",
+    "shard_pairs",
     "sp_mean_loss",
     "valid_sp_sizes",
     "yarn_rope_parameters",

@@ -71,6 +71,9 @@ class TrainConfig:
     host_memory_gb: float | None = None  # host memory per rank (default: the node's share; a dry run elsewhere: 225)
     max_seq_len: bool = False  # --dry-run only: find the longest --seq-len that fits
     node_timeout_s: float = 60.0  # a node silent this long (no heartbeat, no report) ends the job (job_watch.py)
+    # The fields set on the command line (parse_args); None: set in code, every field meant. On --resume the others
+    # are the saved run's (resume.py).
+    flags_given: tuple[str, ...] | None = None
 
     @property
     def data_settings(self) -> DataSettings:
@@ -111,11 +114,15 @@ class TrainConfig:
                              "and a loaded node may miss a few; give 5 or more (default 60).")
         if self.max_seq_len and not self.dry_run:
             raise ValueError("--max-seq-len sizes a run without loading it; add --dry-run.")
-        if self.lora_r < 0:
-            raise ValueError(f"--lora-r {self.lora_r} must be >= 0 (0 trains every weight, no adapters).")
-        if not self.lora_r and (self.export_merged or self.lora_alpha is not None or self.lora_dropout):
-            raise ValueError("--lora-alpha, --lora-dropout and --export-merged set LoRA up; add --lora-r (e.g. 16), "
-                             "or drop them for a full fine-tune.")
+        if self.lora_r < 0 or (self.lora_r == 0 and "lora_r" in (self.flags_given or ())):
+            raise ValueError(f"--lora-r {self.lora_r}: give the adapters' rank, >= 1 (e.g. 16); leave --lora-r out for "
+                             "a full fine-tune of every weight.")
+        lora_only = [f"--{f.replace('_', '-')}" for f in ("lora_alpha", "lora_dropout", "export_merged")
+                     if getattr(self, f) not in (None, 0.0, False)]
+        if not self.lora_r and lora_only:
+            raise ValueError(f"{' and '.join(lora_only)} only {'apply' if len(lora_only) > 1 else 'applies'} to LoRA "
+                             "adapters; add --lora-r (e.g. 16) to train them, or drop "
+                             f"{'it' if len(lora_only) == 1 else 'them'} for a full fine-tune.")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1).")
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
@@ -264,4 +271,14 @@ def parse_args(argv=None) -> TrainConfig:
     tiny = args["model"] == TINY or (args["model"] is None and no_gpu)
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
     values = {k: (v if v is not None else defaults.get(k, getattr(d, k))) for k, v in args.items()}
-    return TrainConfig(**values)
+    return TrainConfig(**values, flags_given=_given(argv))
+
+
+def _given(argv) -> tuple[str, ...]:
+    """The fields named on the command line: the parser again, with no defaults, keeps only those."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    given.pop("local_rank", None)
+    return tuple(sorted(given))

@@ -20,8 +20,8 @@ from .preflight import preflight
 
 def dry_run(cfg: TrainConfig) -> str:
     """Every check, the memory plan, the predicted GPU and host memory per rank and step time, as text; loads no
-    weights, starts no process group and allocates nothing on a GPU (it reads the GPU's size where it has one). World size: cfg.world_size, else this launch's. Limits
-    per rank (estimate.limits_for): cfg.gpu_memory_gb and cfg.host_memory_gb, else this machine's where it has the
+    weights, starts no process group and allocates nothing on a GPU (it reads the GPU's size where it has one).
+    World size: cfg.world_size, else this launch's. Limits per rank (estimate.limits_for): cfg.gpu_memory_gb and cfg.host_memory_gb, else this machine's where it has the
     node's GPUs (local ranks: cfg.gpus_per_node, else the launcher's count, else the world size up to 8), else an
     H200's and a GPU node's stated share. The plan is the one the run computes for the same limits (Job.plan). The
     SP groups' placement (inside a node or across) follows cfg.gpus_per_node and cfg.sp_placement. cfg.max_seq_len:

@@ -34,6 +34,7 @@ from ..zero_reshard import universal_config
 from .run_state import (check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line, save_checkpoint,
                         write_run_file)
 from .config import TrainConfig
+from .checkpoint_files import finite_state
 from .console import RunLogger, layout_line, startup_block
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
@@ -42,8 +43,9 @@ from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
 from .preflight import preflight
+from .resume import change_lines, record_resume
 from .same_flags import check_same_flags
-from .schedule import lr_lambda
+from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # on which NCCL runs the agreement's object collective.
     watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
     try:
-        records = _train(cfg, checked, on_step)
+        # On --resume, the saved run's settings where not named; the flags as given are compared across ranks.
+        records = _train(checked.cfg, checked, on_step, given=cfg)
     except BaseException:
         watch.stop(clean=False)
         raise
@@ -81,7 +84,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
+def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]:
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
@@ -94,7 +97,7 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    check_same_flags(cfg, layout)  # a node started with other flags would run rank 0's without a word
+    check_same_flags(given, layout)  # a node started with other flags would run rank 0's without a word
     # One run folder for the whole job (rank 0's), then who writes what in it and in the token cache: once per
     # folder, whether the nodes share one file system or each has its own disk (files.py).
     out = agree_on_run_dir(checked.out, lambda: new_run_dir(cfg.model), layout)
@@ -128,9 +131,10 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
         optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
         )
+    schedule = Schedule(cfg)  # a function of this object, not the object: LambdaLR would save and load its fields
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
         # Saved on another world size: the engine reads the ZeRO-3 state through DeepSpeed's universal checkpoint.
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
@@ -162,9 +166,15 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
 
     start_step = 0
     if cfg.resume:
-        start_step = load_checkpoint(engine, out, stream, layout)
+        start_step = load_checkpoint(engine, out, stream, layout, schedule=schedule)
+        extended = schedule.extend(start_step, cfg.steps)
+        _apply_lr(scheduler, schedule, cfg)  # a new --lr or --weight-decay; the checkpoint's lr otherwise, as saved
         if rank0:
-            logger.info(resume_line(checked.saved, world, sp_size, global_batch))
+            for line in [resume_line(checked.saved, world, sp_size, global_batch), *change_lines(checked.changed),
+                         *([extended] if extended else [])]:
+                logger.info(line)
+        if run_files.writes:
+            record_resume(out, cfg, start_step, checked.changed, sp_size, world)
     elif run_files.writes:
         write_run_file(out, cfg, sp_size, world)
 
@@ -219,11 +229,17 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
                 raise NonFiniteError(
                     f"step {done}: loss {loss_value}, grad_norm {grad_norm}: not finite; the run stops without "
                     f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
-                    f"{cfg.lr:g}) or raise --warmup-steps, and check the data; then continue from the checkpoint "
-                    f"with --resume --output-dir {out}.")
+                    f"{cfg.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
+                    "--lr <lower> (a new --lr applies on resume).")
             if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+                if not finite_state(engine):
+                    raise NonFiniteError(
+                        f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
+                        f"in the weights or optimizer state; the run stops without saving them. Last good checkpoint: "
+                        f"{latest_checkpoint(out) or 'none'}. Lower --lr (now {cfg.lr:g}) and continue from it with "
+                        f"--resume --output-dir {out} --lr <lower>.")
                 save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints, writes=run_files.writes,
-                                layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
+                                schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if on_step is not None:
                 on_step(done, record)
 
@@ -233,6 +249,16 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
         logger.info("done: %d steps in %s (checkpoint %s%s)", cfg.steps, out, latest_checkpoint(out),
                     f", Hugging Face model {out / EXPORT_DIR}" if cfg.export else "")
     return records
+
+
+def _apply_lr(scheduler, schedule: Schedule, cfg: TrainConfig) -> None:
+    """The resumed optimizer's lr and weight decay from `cfg` at the loaded step: the checkpoint holds the saved run's
+    (LambdaLR's base lr, the optimizer's groups), which a new --lr would otherwise leave in place."""
+    scheduler.base_lrs = [cfg.lr for _ in scheduler.base_lrs]
+    lr = cfg.lr * schedule(scheduler.last_epoch)
+    for group in scheduler.optimizer.param_groups:
+        group["lr"], group["weight_decay"] = lr, cfg.weight_decay
+    scheduler._last_lr = [lr for _ in scheduler.base_lrs]
 
 
 def _start_wandb(cfg: TrainConfig, out: Path):
