@@ -336,32 +336,11 @@ class UlyssesTrainerMixin:
         wrapper = self.model
         wrapper.use_plan(wrapper.plan_step(int(longest), device, packed=packed))
         self._planned = True
-        self.startup_block = self._startup_block(int(longest), device)
+        # One start-up block, as the main job prints one (train/console.py), once the first batch fixed the length.
+        self.startup_block = "\n".join(["ulysses_lc trainer"] + ["  " + line for line in wrapper.summary(
+            int(longest), device, length_note="the longest any rank trains")])
         if self.layout.rank == 0:
             logger.info("%s", self.startup_block)
-
-    def _startup_block(self, seq_len: int, device) -> str:
-        """The start-up block, as the main job prints one (train/console.py): layout, where the SP groups sit, model,
-        length and RoPE scaling, kernel and the memory plan, once the first batch has fixed the length."""
-        from .yarn import describe_rope_scaling
-
-        layout, wrapper = self.layout, self.model
-        config = wrapper.config
-        ranks = f"{layout.world_size} rank{'s' if layout.world_size > 1 else ''}"
-        lines = [
-            f"layout    {ranks} = sp {layout.sp_size} (ranks sharing one sequence) x dp {layout.dp_size} "
-            "(sequences per step)",
-            f"nodes     {layout.placement_line()}",
-            f"model     {type(config).__name__}, {config.num_hidden_layers} layers, "
-            f"{wrapper.num_parameters() / 1e6:,.1f} M params ({wrapper.num_parameters(only_trainable=True) / 1e6:,.2f} M "
-            "trained)",
-            f"length    {seq_len:,} tokens per step (the longest any rank trains), {describe_rope_scaling(config)}",
-            f"kernel    {wrapper.attention.kernel}, attention head groups {wrapper.attention.head_groups}",
-            f"plan      {wrapper.plan.describe(config.num_hidden_layers, wrapper.offload)}; from the memory free on "
-            f"every rank ({'the GPU' if device.type == 'cuda' else 'no GPU: every layer checkpointed'}, "
-            "SequenceParallelCausalLM.plan_step)",
-        ]
-        return "\n".join(["ulysses_lc trainer"] + ["  " + line for line in lines])
 
     # -- saving: a plain Hugging Face model folder --
     def _save(self, output_dir: str | None = None, state_dict=None):
