@@ -67,8 +67,8 @@ class TrainConfig:
     dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
     world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
     gpus_per_node: int | None = None  # --dry-run only: GPUs per node (default: this launch's, else up to 8)
-    gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default 149, an H200)
-    host_memory_gb: float | None = None  # host memory per rank (default: the node's over its local ranks)
+    gpu_memory_gb: float | None = None  # device memory per GPU (default: this GPU's; a dry run elsewhere: an H200's)
+    host_memory_gb: float | None = None  # host memory per rank (default: the node's share; a dry run elsewhere: 225)
     max_seq_len: bool = False  # --dry-run only: find the longest --seq-len that fits
     node_timeout_s: float = 60.0  # a node silent this long (no heartbeat, no report) ends the job (job_watch.py)
     # The fields set on the command line (parse_args); None: set in code, every field meant. On --resume the others
@@ -276,10 +276,13 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int,
                    help="--dry-run: GPUs per node, for the SP groups' placement and the host memory each rank "
                         "shares (default: this launch's, else --world-size up to 8)")
-    p.add_argument("--gpu-memory-gb", type=float, help="--dry-run: memory per GPU (default 149, an H200)")
+    p.add_argument("--gpu-memory-gb", type=float,
+                   help="memory per GPU the plan may use (default: this GPU's; a dry run without the node's GPUs: 149, "
+                        "an H200). On a CPU the run then plans as for a GPU of that size")
     p.add_argument("--host-memory-gb", type=float,
-                   help="host memory per rank the plan may use, offloaded state and activations included (default: "
-                        "9/10 of the node's memory over its local ranks)")
+                   help="host memory per rank the plan may use, offloaded state, activations and the launcher's share "
+                        "included (default: 9/10 of this node's memory over its local ranks; a dry run without the "
+                        "node's GPUs: 225, a 2 TB node's share over 8 GPUs, said in its limits line)")
     p.add_argument("--max-seq-len", action="store_true", default=None,
                    help="--dry-run: the longest --seq-len that fits --world-size, --sp-size, --gpu-memory-gb and "
                         "--host-memory-gb, with its plan and predicted step time")

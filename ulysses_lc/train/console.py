@@ -64,15 +64,17 @@ def layout_line(layout, global_batch: int | None = None) -> str:
     return line + f"\n  nodes     {layout.placement_line()}"
 
 
-def _plan_reason(cfg, device: str, estimate) -> str:
+def _plan_reason(cfg, device: str, estimate, differs: str | None = None) -> str:
     flags = [f"--{n.replace('_', '-')}" for n in ("recompute_layers", "keep_on_gpu", "cache_attention_layers")
              if getattr(cfg, n) is not None]
     if device != "gpu":
-        why = "no GPU: every layer checkpointed and offloaded, to exercise the paths"
+        why = "no GPU: every layer checkpointed and offloaded, to exercise the paths (--gpu-memory-gb plans for one)"
+    elif differs:
+        why = f"not the dry run's plan for these limits: {differs}"
     elif estimate.fit is not None and not estimate.fit.fits:
         why = "the least memory a plan can take, and it does not fit (limits below)"
     else:
-        why = "the fastest plan that fits the limits below (memory.plan_memory)"
+        why = "the fastest plan that fits the limits below (memory.plan_memory), the dry run's for them"
     return why + (f", with {', '.join(flags)} as given" if flags else "")
 
 
@@ -91,9 +93,11 @@ def reference_line(cfg, estimate) -> str:
 
 
 def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
-                  limits_line: str | None = None) -> str:
-    """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory,
-    and against `limits_line`'s limits (estimate.fit) whether the plan fits."""
+                  limits_line: str | None = None, node: str | None = None, differs: str | None = None) -> str:
+    """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
+    (per rank, and `node`: per node), and against `limits_line`'s limits (estimate.fit) whether the plan fits.
+    device: "gpu" where the plan is a GPU's (the dry run, a GPU run, a CPU run given --gpu-memory-gb); differs: why
+    the run's plan is not the dry run's for the same limits."""
     yarn = checked.rope or describe_rope_scaling(checked.model_config)
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
@@ -112,11 +116,13 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
         + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),
         f"plan      {layers - plan.recompute_layers} plain layers, {plan.recompute_layers} checkpointed "
         f"({offloaded} offloaded to host, {plan.keep_on_gpu} kept on {device}), "
-        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device, estimate)}",
+        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device, estimate, differs)}",
         f"memory    per rank, predicted: {device} {m.gpu / GB:.1f} GB peak (ZeRO-3 state {m.state_gpu / GB:.1f}, "
         f"gathered weights {m.gathered / GB:.1f}, activations {m.act_gpu / GB:.1f}), host {m.host / GB:.1f} GB "
         f"(process {m.process_host / GB:.1f}, state {m.state_host / GB:.1f}, offloaded activations {m.act_host / GB:.1f})",
     ]
+    if node is not None:
+        lines.append(f"node      {node}")
     if estimate.fit is not None:
         lines.append(f"limits    {limits_line}: {estimate.fit.verdict()}")
     if device == "gpu":

@@ -36,7 +36,8 @@ from .run_state import (check_output_dir, latest_checkpoint, load_checkpoint, ne
 from .config import TrainConfig
 from .checkpoint_files import finite_state
 from .console import RunLogger, layout_line, startup_block
-from .estimate import estimate_memory, job_for, plan_reservations, run_limits
+from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
+                       run_limits, sized_params)
 from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
@@ -44,6 +45,7 @@ from . import job_watch
 from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics
 from .preflight import preflight
 from .resume import change_lines, record_resume
+from .same_flags import check_same_flags
 from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # on which NCCL runs the agreement's object collective.
     watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
     try:
-        records = _train(checked.cfg, checked, on_step)  # on --resume, the saved run's settings where not named
+        # On --resume, the saved run's settings where not named; the flags as given are compared across ranks.
+        records = _train(checked.cfg, checked, on_step, given=cfg)
     except BaseException:
         watch.stop(clean=False)
         raise
@@ -82,9 +85,10 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
+def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]:
     import deepspeed
 
+    beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
     layout = ParallelLayout.build(checked.sp_size, placement=cfg.sp_placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
     global_batch = checked.global_batch
@@ -94,6 +98,7 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    check_same_flags(given, layout)  # a node started with other flags would run rank 0's without a word
     # One run folder for the whole job (rank 0's), then who writes what in it and in the token cache: once per
     # folder, whether the nodes share one file system or each has its own disk (files.py).
     out = agree_on_run_dir(checked.out, lambda: new_run_dir(cfg.model), layout)
@@ -122,7 +127,8 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
     torch.manual_seed(cfg.seed)
     hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config, checked.peft_config)
     model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
-    num_params = model.num_parameters()
+    # The plan's parameter count is the dry run's (the config's, on the meta device), so both price the same state.
+    num_params = sized_params(checked)
 
     optimizer = None
     if "optimizer" not in ds_config:
@@ -141,18 +147,28 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
     dpo_step = DPOStep(cfg, layout, model_config.vocab_size, pad_token_id(tokenizer),
                        load_reference(cfg, checked, device, layout)) if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
-    # The plan is no larger than the dry run's for this machine's limits, and one that does not fit stops here.
+    # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only less
+    # device memory free now than the limits leave changes it, and the plan line says so. One that does not fit
+    # stops here.
     limits, limits_line = run_limits(cfg, checked, device, layout) or (None, None)
-    reserve = plan_reservations(job_for(cfg, checked, num_params), limits) if limits else {}
+    ranks_here = layout.ranks_on_node()
+    job = job_for(cfg, checked, num_params, ranks_here)
+    reserve = plan_reservations(job, limits) if limits else {}
     plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
-    estimate = estimate_memory(cfg, checked, plan, num_params, limits)
+    estimate = estimate_memory(cfg, checked, plan, num_params, limits, ranks_here)
+    dry = job.plan(cfg.seq_len, limits).with_overrides(cfg.recompute_layers, cfg.keep_on_gpu,
+                                                      cfg.cache_attention_layers) if limits else plan
     if rank0:
         logger.info(startup_block(
             out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
-            kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if device.type == "cuda" else "cpu",
-            limits_line=limits_line))
+            kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
+            limits_line=limits_line, node=node_line(estimate, ranks_here, beside) if limits else None,
+            differs=None if plan == dry else "less device memory is free now than the limits leave (another process "
+                                             "on this GPU?); the dry run's plan would not fit"))
+    if device.type == "cuda":  # a CPU run's memory is no GPU node's
+        check_node_memory(estimate, ranks_here, beside)
     estimate.check()
 
     start_step = 0
