@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 
 from . import memory_model
-from .memory import MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
+from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
 from .shape import ModelShape
 
@@ -128,6 +128,10 @@ class Job:
     packed: bool = False
     offload: bool = True
     trainable_params: int | None = None  # of num_params, those that train (None: all; LoRA: the adapters)
+    # DPO (preference.py): a frozen reference copy's parameters (0: none, the adapters off or no DPO), whose bf16
+    # weights ZeRO-3 partitions like the policy's; and whether the loss head scores two documents per pair.
+    reference_params: int = 0
+    preference: bool = False
     ranks_per_node: int = 1  # ranks sharing one node's host memory and its launcher
 
     @property
@@ -153,9 +157,21 @@ class Job:
         keep_attention, groups = attention_policy(self.shape, self.kernel, self.head_groups, self.packed)
         return keep_attention, groups
 
+    def state_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes per rank held for the whole run: ZeRO-3's partitions of the policy, of a DPO reference
+        copy (bf16 weights only), and, when DPO trains the LM head, the second document's fp32 head-gradient
+        accumulator (preference.ChunkedDocumentLogProbs keeps one per document on the rank's slice)."""
+        gpu, host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero,
+                                      trainable_params=self.trainable_params)
+        reference = PARAM_BYTES * -(-self.reference_params // self.world_size)
+        gpu, host = (gpu, host + reference) if self.offload_params else (gpu + reference, host)
+        if self.preference and self.trainable_params is None:
+            gpu += self.shape.vocab * self.shape.hidden * 4
+        return gpu, host
+
     def predict(self, seq_len: int, plan: MemoryPlan) -> StepMemory:
         """The step's memory per rank under `plan`."""
-        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero, trainable_params=self.trainable_params)
+        state_gpu, state_host = self.state_bytes()
         _, groups = self._policy()
         act_gpu, act_host = plan_bytes(self.shape, seq_len, plan, sp_size=self.sp_size, head_groups=groups,
                                        offload=self.offload, packed=self.packed)
@@ -167,7 +183,7 @@ class Job:
         """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
         ZeRO-3 state and its gathered weights (with their allocator slack), the host process and its share of the
         node's launcher leave; what memory.plan_memory and the run's plan_step (`budget=`) plan within."""
-        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero, trainable_params=self.trainable_params)
+        state_gpu, state_host = self.state_bytes()
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu
                   - gathered * (1 + memory_model.ALLOCATOR_SLACK))

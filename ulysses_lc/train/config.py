@@ -74,6 +74,16 @@ class TrainConfig:
     # The fields set on the command line (parse_args); None: set in code, every field meant. On --resume the others
     # are the saved run's (resume.py).
     flags_given: tuple[str, ...] | None = None
+    method: str = "sft"  # sft: next-token loss; dpo: preference pairs (train/preference_step.py)
+    dpo_beta: float = 0.1
+    dpo_loss: str = "sigmoid"  # sigmoid | ipo
+    dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
+    dpo_reference: str = "auto"  # auto | copy | adapters (train/preference_step.py)
+
+    @property
+    def packed_documents(self) -> bool:
+        """Whether sequences are packed documents (packing, or DPO's two documents per pair): the memory plan's."""
+        return self.packing or self.method == "dpo"
 
     @property
     def data_settings(self) -> DataSettings:
@@ -125,10 +135,33 @@ class TrainConfig:
                              f"{'it' if len(lora_only) == 1 else 'them'} for a full fine-tune.")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1).")
+        self._check_method()
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 0 (leave it out to plan from memory).")
+
+
+    def _check_method(self) -> None:
+        if self.method not in ("sft", "dpo"):
+            raise ValueError(f"--method {self.method!r}: pick sft or dpo.")
+        dpo_flags = {"dpo_beta": 0.1, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.0, "dpo_reference": "auto"}
+        if self.method != "dpo":
+            changed = [f"--{k.replace('_', '-')}" for k, v in dpo_flags.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set up preference training; add --method dpo or drop them.")
+            return
+        from ..preference import PreferenceLoss
+
+        PreferenceLoss(self.dpo_beta, self.dpo_loss, self.dpo_label_smoothing)  # its ValueError names the setting
+        if self.dpo_reference not in ("auto", "copy", "adapters"):
+            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy or adapters.")
+        if self.dpo_reference == "adapters" and not self.lora_r:
+            raise ValueError("--dpo-reference adapters is the model with its LoRA adapters off: add --lora-r (e.g. "
+                             "16), or use --dpo-reference copy for a full fine-tune.")
+        if self.loss_on is not None or self.text_column is not None:
+            raise ValueError("--method dpo trains the chosen and rejected completions of prompt / chosen / rejected "
+                             "rows; drop --loss-on and --text-column.")
 
 
 TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3)
@@ -256,6 +289,17 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--node-timeout-s", type=float, default=d.node_timeout_s,
                    help="end the job when a node sends no heartbeat for this long, with no rank left there to report "
                         f"why (default {d.node_timeout_s:g})")
+    p.add_argument("--method", choices=["sft", "dpo"], default=d.method,
+                   help="sft (default): the next-token loss; dpo: preference pairs from --data rows with prompt, "
+                        "chosen and rejected (a .jsonl, chat or plain; tiny: generated), each pair one sequence of "
+                        "two documents (with --packing: as many whole pairs as fit)")
+    p.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO's beta (IPO's tau)")
+    p.add_argument("--dpo-loss", choices=["sigmoid", "ipo"], default=d.dpo_loss, help="the preference loss")
+    p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
+                   help="sigmoid: the probability of a flipped preference (cDPO), in [0, 0.5)")
+    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters"], default=d.dpo_reference,
+                   help="the reference model: a frozen copy, or the model with its LoRA adapters off (auto: adapters "
+                        "with --lora-r, else copy)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

@@ -78,6 +78,20 @@ def _plan_reason(cfg, device: str, estimate, differs: str | None = None) -> str:
     return why + (f", with {', '.join(flags)} as given" if flags else "")
 
 
+def reference_line(cfg, estimate) -> str:
+    """DPO's reference model and what it costs per rank (sizing.Job.reference_params)."""
+    from .preference_step import reference_kind
+
+    job = estimate.job
+    head = f"DPO {cfg.dpo_loss}, beta {cfg.dpo_beta:g}; two documents per pair (prompt + chosen | prompt + rejected)"
+    if reference_kind(cfg) == "adapters":
+        return f"reference the model with its LoRA adapters off: no second model; {head}"
+    size = "" if job is None else (f": {job.reference_params / 1e6:,.1f} M params, "
+                                   f"{2 * job.reference_params / job.world_size / GB:.2f} GB per rank of bf16 weights "
+                                   "in the state below")
+    return f"reference a frozen copy, ZeRO-3 partitioned like the policy{size}; {head}"
+
+
 def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
                   limits_line: str | None = None, node: str | None = None, differs: str | None = None) -> str:
     """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
@@ -95,6 +109,7 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
         + (f"; LoRA r {cfg.lora_r} on {cfg.lora_targets}: {checked.trainable_params / 1e6:,.2f} M trained, the rest "
            "frozen (no optimizer state)" if checked.trainable_params is not None else ""),
         f"length    {cfg.seq_len:,} tokens per step, {yarn}",
+        *([reference_line(cfg, estimate)] if cfg.method == "dpo" else []),
         f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}",
         f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
         "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"

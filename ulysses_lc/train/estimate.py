@@ -19,6 +19,7 @@ from ..memory import optimizer_reserved_bytes
 from ..memory_model import HOST_HEADROOM
 from ..shape import ModelShape
 from ..sizing import GB, Fit, Job, Limits, StepMemory
+from .preference_step import reference_kind
 from .preflight import CheckFailed
 
 DEFAULT_GPU_GB = 149.0  # an H200: 139.8 GiB usable as torch reports it (BENCHMARKS.md), what the benchmarks ran on
@@ -67,11 +68,16 @@ def count_params(model_config) -> int:
 
 def job_for(cfg, checked, num_params: int, ranks_per_node: int = 1) -> Job:
     """The run's sizing.Job: its shape, parameter count, ranks (ranks_per_node: those sharing one node's host memory
-    and launcher), DeepSpeed offload and attention policy."""
+    and launcher), DeepSpeed offload and attention policy, and for DPO the reference copy's parameters (the model
+    without its adapters; 0 for the adapters-off reference)."""
+    reference = 0
+    if cfg.method == "dpo" and reference_kind(cfg) == "copy":
+        reference = num_params - (checked.trainable_params or 0 if checked.peft_config is not None else 0)
     return Job.from_ds_config(ModelShape.from_config(checked.model_config), num_params, checked.world_size,
                               checked.sp_size, checked.ds_config, kernel=cfg.kernel,
-                              head_groups=cfg.attention_head_groups, packed=cfg.packing,
-                              trainable_params=checked.trainable_params, ranks_per_node=ranks_per_node)
+                              head_groups=cfg.attention_head_groups, packed=cfg.packed_documents,
+                              trainable_params=checked.trainable_params, ranks_per_node=ranks_per_node,
+                              reference_params=reference, preference=cfg.method == "dpo")
 
 
 def sized_params(checked) -> int:

@@ -42,6 +42,7 @@ from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
+from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .same_flags import check_same_flags
@@ -111,13 +112,17 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
                     f"{cache_files.describe()})")
 
     tokenizer = load_tokenizer(cfg.model)
-    data_settings = cfg.data_settings.kwargs()
-    # A missing path, column or completion fails here, on the first rows, before any weights load.
-    check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
-    stream = build_token_stream(
-        cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * global_batch, cache_dir=cfg.cache_dir,
-        builder=cache_files.writes, progress=rank0, **data_settings,
-    )
+    dpo = cfg.method == "dpo"
+    if dpo:  # every pair read and checked (length, completion tokens) before any weight loads
+        stream = build_pair_stream(cfg, tokenizer)
+    else:
+        data_settings = cfg.data_settings.kwargs()
+        # A missing path, column or completion fails here, on the first rows, before any weights load.
+        check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
+        stream = build_token_stream(
+            cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * global_batch, cache_dir=cfg.cache_dir,
+            builder=cache_files.writes, progress=rank0, **data_settings,
+        )
 
     torch.manual_seed(cfg.seed)
     hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config, checked.peft_config)
@@ -139,6 +144,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
+    dpo_step = DPOStep(cfg, layout, model_config.vocab_size, pad_token_id(tokenizer),
+                       load_reference(cfg, checked, device, layout)) if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
     # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only less
     # device memory free now than the limits leave changes it, and the plan line says so. One that does not fit
@@ -147,7 +154,7 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
     ranks_here = layout.ranks_on_node()
     job = job_for(cfg, checked, num_params, ranks_here)
     reserve = plan_reservations(job, limits) if limits else {}
-    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packing, **reserve).with_overrides(
+    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
     estimate = estimate_memory(cfg, checked, plan, num_params, limits, ranks_here)
@@ -181,7 +188,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size. Without a
     # GPU the figures mean nothing, so the line shows "-".
     flops = model_flops_per_step(model_config, cfg.seq_len, recompute_layers=plan.recompute_layers,
-                                 cached_attention_layers=plan.cache_attention_layers) if device.type == "cuda" else None
+                                 cached_attention_layers=plan.cache_attention_layers) \
+        if device.type == "cuda" and not dpo else None  # DPO: pairs shorter than seq_len, a reference forward: "-"
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     records = []
     with RunLogger(
@@ -193,19 +201,25 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            losses, trained, documents, padding = [], 0, 0, 0
+            losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
-                batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
-                                    vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
-                loss = engine(**batch.as_kwargs())
+                if dpo:
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device)
+                    pair_metrics.append(metrics)
+                else:
+                    batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
+                                        pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
+                                        document_lengths=sample.document_lengths).to(device)
+                    loss = engine(**batch.as_kwargs())
+                    n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 engine.step()  # the optimizer steps at the last micro step only
                 losses.append(loss.detach())
-                trained = trained + model.last_num_tokens
-                documents, padding = documents + sample.num_documents, padding + sample.padding_tokens
+                trained = trained + n_trained
+                documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
             # The one host sync of the step: the logged numbers.
             loss_value = _dp_mean(torch.stack(losses).mean(), layout)
@@ -216,8 +230,9 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
                 step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
                 # Unpacked windows are one causal stream each: no document count to show.
-                trained_tokens=trained, documents=documents if cfg.packing else 1,
+                trained_tokens=trained, documents=documents if cfg.packed_documents else 1,
                 padding_share=padding / (cfg.seq_len * global_batch),
+                **(mean_metrics(pair_metrics, layout) if dpo else {}),
             )
             stream.position += global_batch
             if record is not None:
