@@ -293,6 +293,8 @@ class StepLogger:
             parts.append(f"trained {r['trained_tokens']:,}")
         if r.get("documents", 1) > 1:
             parts.append(f"docs {r['documents']} (pad {100 * r.get('padding_share', 0.0):.1f}%)")
+        if r.get("reward_margin") is not None:  # preference training (train/preference_step.py)
+            parts.append(f"margin {r['reward_margin']:.3f} (acc {r['reward_accuracy']:.2f})")
         parts += [
             f"{r['step_time_s']:.1f} s", f"{r['tokens_per_s']:,.0f} tok/s", f"TFLOPS/GPU {_fmt(r['tflops_per_gpu'], '.1f')}",
             f"MFU {_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%')}",

@@ -140,6 +140,10 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
         raise ValueError(f"--data {cfg.data} streams from the Hugging Face hub, which cannot be reached here "
                          f"({offline}); pass --data tiny (generated text) or local data files (.jsonl, .parquet, "
                          ".txt, or a folder of them).")
+    if cfg.method == "dpo":
+        from .preference_step import check_pair_source
+
+        check_pair_source(cfg)
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
     rope = plan_rope(model_config, cfg.seq_len, cfg.yarn_factor, rope_scaling=cfg.rope_scaling, sp_size=sp_size)

@@ -38,6 +38,10 @@ KEPT = {
     "lr_schedule": "the schedule continues from the checkpoint's; change --lr or --steps instead",
     "warmup_steps": "the schedule continues from the checkpoint's; change --lr or --steps instead",
     "min_lr_ratio": "the schedule continues from the checkpoint's; change --lr or --steps instead",
+    "method": "the data position counts this method's sequences (pairs for dpo)",
+    "dpo_beta": "the preference objective continues as it trained", "dpo_loss": "the preference objective continues "
+    "as it trained", "dpo_label_smoothing": "the preference objective continues as it trained",
+    "dpo_reference": "the rewards are measured against this reference",
 }
 # Applied from the resumed step on; the line says what changes (None: another module says it).
 APPLIED = {
