@@ -302,3 +302,59 @@ def test_read_only_and_quota_errors_name_the_cause_and_the_fix(tmp_path):
     quota = save_failure(path, OSError(errno.EDQUOT, "Disk quota exceeded"), **args)
     assert "the disk quota there is used up (EDQUOT; `quota -s` shows it)" in quota and "free " in quota
     assert f"saving the checkpoint in {path.parent} failed at {path.name}" in quota
+
+
+# -- one writer per run folder (issue 30) ----------------------------------------------------------------------
+
+def _second_job_worker(rank, world_size, tmp):
+    import logging
+
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.run_lock import FolderBusy
+
+    os.chdir(tmp)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("ulysses_lc.train")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=1, lr=3e-3, cache_dir="cache", export=False,
+                      output_dir="run")
+    try:
+        if os.path.exists("run/.ulysses_lc-lock") and os.path.getsize("run/.ulysses_lc-lock") and \
+                "99999999" not in open("run/.ulysses_lc-lock").read():
+            try:
+                train(cfg)
+            except FolderBusy as e:
+                return {"refused": str(e), "cache_made": os.path.exists("cache")}
+            return {"refused": None}
+        train(cfg)
+        return {"lines": list(lines)}
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_second_job_on_a_run_folder_refuses_and_a_dead_runs_lock_is_taken_over(tmp_path):
+    import socket
+
+    from tests._dist import run_shared
+    from ulysses_lc.train.run_lock import LOCK, RunLock
+
+    held = RunLock.acquire(tmp_path / "run")  # the first job, still running (this process)
+    try:
+        second = run_shared(_second_job_worker, 2, str(tmp_path), kind="deepspeed")
+    finally:
+        held.release()
+    for result in second:  # every rank refuses, naming the holder, before any work (no token cache, no metrics)
+        assert result["refused"] is not None, result
+        assert result["refused"].startswith(f"run is the run folder of another job that is still "
+                                            f"running (pid {os.getpid()} on host {socket.gethostname()}, started ")
+        assert "pass another --output-dir" in result["refused"] and not result["cache_made"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK]
+    # A run killed without a word (SIGKILL, a lost node) leaves its lock file behind, held by no one.
+    (tmp_path / "run" / LOCK).write_text(json.dumps({"host": "n7", "pid": 99999999, "started": "then"}))
+    taken = run_shared(_second_job_worker, 2, str(tmp_path), kind="deepspeed")[0]
+    assert any(line.startswith("run: took over the lock of a run that is no longer running (pid 99999999 on host n7, "
+                               "started then)") for line in taken["lines"]), taken["lines"]
+    assert (tmp_path / "run" / LOCK).read_text() == ""  # ended: no holder to name

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from . import job_watch
 from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics
 from .preflight import preflight
 from .resume import change_lines, record_resume
+from .run_lock import hold_run_folder
 from .same_flags import check_same_flags
 from .schedule import Schedule
 
@@ -77,7 +79,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
     try:
         # On --resume, the saved run's settings where not named; the flags as given are compared across ranks.
-        records = _train(checked.cfg, checked, on_step, given=cfg)
+        with ExitStack() as held:  # the run folder's lock, from before any work to the end (run_lock.py)
+            records = _train(checked.cfg, checked, on_step, given=cfg, held=held)
     except BaseException:
         watch.stop(clean=False)
         raise
@@ -85,7 +88,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]:
+def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitStack) -> list[dict]:
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
@@ -105,6 +108,7 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
     if cfg.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
         check_output_dir(cfg, sp_size, world, out)
     run_files = folder_owner(out, layout)
+    held.enter_context(hold_run_folder(out, run_files.writes, layout))  # a second job on this folder stops here
     cache_files = folder_owner(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), layout)
     if rank0:
         logger.info("%s %s%s", "resuming" if cfg.resume else "writing to", out,
