@@ -341,6 +341,7 @@ def test_a_second_job_on_a_run_folder_refuses_and_a_dead_runs_lock_is_taken_over
     from tests._dist import run_shared
     from ulysses_lc.train.run_lock import LOCK, RunLock
 
+    (tmp_path / "run").mkdir()  # (a lock that made its folder removes it again where nothing else was written)
     held = RunLock.acquire(tmp_path / "run")  # the first job, still running (this process)
     try:
         second = run_shared(_second_job_worker, 2, str(tmp_path), kind="deepspeed")

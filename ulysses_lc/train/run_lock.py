@@ -37,13 +37,17 @@ class FolderBusy(ValueError):
 class RunLock:
     """The exclusive lock of one run folder, held by this process until `release`."""
 
-    def __init__(self, fd: int, path: Path, note: str | None):
-        self.fd, self.path, self.note = fd, path, note
+    def __init__(self, fd: int, path: Path, note: str | None, made: list[Path]):
+        self.fd, self.path, self.note, self.made = fd, path, note, made
 
     @classmethod
     def acquire(cls, folder: Path) -> RunLock | None:
         """Lock `folder` for this process: FolderBusy naming the holder when another job has it; None where the file
         system takes no locks. `note` says when a dead run's lock was taken over."""
+        made, missing = [], folder
+        while not missing.exists():
+            made.append(missing)
+            missing = missing.parent
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -65,15 +69,22 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode(), 0)
-        return cls(fd, path, note)
+        return cls(fd, path, note, made)
 
     def release(self) -> None:
         """The run ended: the file is emptied (a run that ended is no holder to name) and the lock dropped. The file
-        stays: unlinked, a job that had opened it could lock the old file while a third locked a new one."""
+        stays (unlinked, a job that had opened it could lock the old file while a third locked a new one), except in
+        a folder this lock made that holds nothing else (a run refused after the lock, before writing): that goes."""
         if self.fd is None:
             return
         try:
             os.ftruncate(self.fd, 0)
+            if self.made and [p.name for p in self.path.parent.iterdir()] == [LOCK]:
+                self.path.unlink()
+                for folder in self.made:  # deepest first
+                    folder.rmdir()
+        except OSError:
+            pass  # something else was written there meanwhile: it stays
         finally:
             os.close(self.fd)  # closing drops the flock
             self.fd = None
