@@ -359,3 +359,67 @@ def test_a_second_job_on_a_run_folder_refuses_and_a_dead_runs_lock_is_taken_over
     assert any(line.startswith("run: took over the lock of a run that is no longer running (pid 99999999 on host n7, "
                                "started then)") for line in taken["lines"]), taken["lines"]
     assert (tmp_path / "run" / LOCK).read_text() == ""  # ended: no holder to name
+
+
+# -- preemption (issue 30) -------------------------------------------------------------------------------------
+
+PREEMPT_ARGS = ["--steps", "200", "--seq-len", "256", "--lr-schedule", "constant", "--no-export", "--cache-dir",
+                "cache", "--output-dir", "run"]
+
+
+def _reference_and_resume(rank, world_size, tmp, steps):
+    from tests.test_training import train_worker
+    from ulysses_lc.train import TrainConfig
+
+    os.chdir(tmp)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=steps, lr=3e-3, lr_schedule="constant",
+                      export=False, cache_dir="cache", output_dir="reference")
+    from dataclasses import replace
+
+    return train_worker(rank, world_size, cfg), train_worker(rank, world_size, replace(cfg, output_dir="run",
+                                                                                          resume=True))
+
+
+@pytest.mark.parametrize("launcher,target", [("deepspeed", "launcher"), ("torchrun", "group")])
+def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_goes_on(tmp_path, launcher, target):
+    """SIGTERM to DeepSpeed's runner alone (it forwards nothing: the ranks see it end), or to torchrun's whole process
+    group (every rank and the agent, which forwards it again): every rank stops at one step boundary, saves there
+    (--save-every 0: no other checkpoint), and exits; the resume continues the uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests._dist import _free_port, run_shared
+    from tests.test_run import LAUNCHERS, REPO, _env
+    from tests.test_training import losses_of
+
+    entry = [str(REPO / "examples" / "train_1m.py")] if launcher == "deepspeed" else ["-m", "ulysses_lc.train"]
+    cmd = [*LAUNCHERS[launcher](_free_port()), *entry, *PREEMPT_ARGS]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step 3/"):
+            break
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train" in " ".join(p.cmdline())
+             and "launch" not in " ".join(p.cmdline())]
+    if target == "launcher":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    out = "".join(seen) + proc.stdout.read()  # until every process holding the pipe (the ranks) has exited
+    proc.wait(timeout=120)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), out
+    why = "its launcher (pid" if target == "launcher" else "SIGTERM (from the scheduler"
+    stopped = [line for line in out.splitlines() if line.startswith("stopped at step ")]
+    assert len(stopped) == 1 and why in stopped[0], out
+    step = int(stopped[0].split()[3])
+    assert f"checkpoint run/checkpoints/step{step} written: --resume --output-dir run continues" in stopped[0]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == f"step{step}"
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reference, resumed = run_shared(_reference_and_resume, 2, str(tmp_path), step + 2, kind="deepspeed")[0]
+    np.testing.assert_allclose(logged[:step], losses_of(reference)[:step], rtol=1e-6)
+    np.testing.assert_allclose(losses_of(resumed), losses_of(reference)[step:], rtol=1e-6)

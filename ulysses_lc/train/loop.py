@@ -47,6 +47,7 @@ from .preference_step import DPOStep, build_pair_stream, load_reference, mean_me
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
+from .stop import Stopped, StopRequest
 from .same_flags import check_same_flags
 from .schedule import Schedule
 
@@ -76,11 +77,14 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # Every rank's checks agreed (one failed on one node's disk fails every rank, naming it), then the watch that
     # ends every node's ranks when one fails, for as long as the run lasts. init_distributed bound this rank's GPU,
     # on which NCCL runs the agreement's object collective.
-    watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
+    watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s, stop_grace_s=cfg.stop_grace_s)
     try:
         # On --resume, the saved run's settings where not named; the flags as given are compared across ranks.
         with ExitStack() as held:  # the run folder's lock, from before any work to the end (run_lock.py)
-            records = _train(checked.cfg, checked, on_step, given=cfg, held=held)
+            records = _train(checked.cfg, checked, on_step, given=cfg, held=held, stop=watch.stop_request)
+    except Stopped:
+        watch.stop(clean=True)  # every rank stopped at the same step: none is a peer gone without a report
+        raise
     except BaseException:
         watch.stop(clean=False)
         raise
@@ -88,7 +92,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitStack) -> list[dict]:
+def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitStack, stop: StopRequest) -> list[dict]:
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
@@ -251,7 +255,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
                     f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
                     f"{cfg.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
                     "--lr <lower> (a new --lr applies on resume).")
-            if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+            stopping = stop.agreed(layout, device)  # a SIGTERM, SIGINT or launcher's end on any rank (stop.py)
+            if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
                 if not finite_state(engine):
                     raise NonFiniteError(
                         f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
@@ -262,6 +267,9 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if on_step is not None:
                 on_step(done, record)
+            if stopping and done < cfg.steps:
+                raise Stopped(f"stopped at step {done} of {cfg.steps} by {stopping}; checkpoint "
+                              f"{latest_checkpoint(out)} written: --resume --output-dir {out} continues", stop.code)
 
     if cfg.export:
         export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=cfg.export_merged)

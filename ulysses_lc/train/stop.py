@@ -15,12 +15,16 @@ more than that.
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LAUNCHERS = ("torch.distributed.run", "torchrun", "deepspeed", "accelerate", "mpirun")
 
 
@@ -83,3 +87,43 @@ def launcher_pids() -> list[int]:
     except psutil.Error:
         pass
     return chain
+
+
+class SignalHook:
+    """SIGTERM and SIGINT to a Python handler (on the main thread, when it runs Python) and a wake-up byte for a
+    watcher thread (at once, even while the main thread waits in a collective). Only the main thread may arm it."""
+
+    def __init__(self):
+        self._wake = None  # (read fd, write fd) of the wake-up pipe
+        self._previous = None  # (SIGTERM handler, SIGINT handler, wake-up fd) before arming
+
+    def arm(self, handler) -> None:
+        """handler(signum) on the main thread; elsewhere nothing is armed (wait() then only waits)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._wake = os.pipe()
+        for fd in self._wake:
+            os.set_blocking(fd, False)
+        handlers = [signal.signal(s, lambda signum, frame: handler(signum)) for s in SIGNALS]
+        self._previous = (*handlers, signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False))
+
+    def disarm(self) -> None:
+        if self._previous is None or threading.current_thread() is not threading.main_thread():
+            return
+        *handlers, wakeup_fd = self._previous
+        for s, handler in zip(SIGNALS, handlers):
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        signal.set_wakeup_fd(wakeup_fd)
+        for fd in self._wake:
+            os.close(fd)
+        self._previous = self._wake = None
+
+    def wait(self, timeout: float, halt: threading.Event) -> int | None:
+        """Wait `timeout`, or less where a signal arrives first: the SIGTERM or SIGINT that came, else None."""
+        try:
+            ready, _, _ = select.select([self._wake[0]], [], [], timeout)
+            got = os.read(self._wake[0], 512) if ready else b""
+            return next((s for s in SIGNALS if s in got), None)
+        except (OSError, ValueError, TypeError):  # no pipe (not armed on the main thread), or closed by disarm()
+            halt.wait(timeout)
+            return None
