@@ -134,7 +134,7 @@ def await_cause(timeout: float) -> str:
 class JobWatch:
     """The armed watch of one train() call: its rank table, the store, and the watcher thread."""
 
-    def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float, stop_grace_s: float):
+    def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float, stop_grace_s: float = 25.0):
         self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
         self.stop_request, self._launchers = StopRequest(stop_grace_s), []  # what the loop is asked (stop.py)
         self.leader = table.rank == min(table.on_node(table.node))
