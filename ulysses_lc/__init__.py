@@ -8,6 +8,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, per document for packed sequences
   explicit_attention.py  SDPA's forward/backward ops called directly: kept outputs, head groups
   window_attention.py  sliding-window causal attention and attention sinks (Mistral, Gemma 3, gpt-oss), exact
+  fallbacks.py      which kernel errors mean "no kernel for these inputs"; each fallback taken, for the step record
   attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
   recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
   checkpointing.py  install_checkpointing: per-layer checkpoints, what is offloaded and when

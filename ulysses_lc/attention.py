@@ -115,12 +115,24 @@ class UlyssesAttention:
         # in the name: transformers checks a model's own SDPA support for any name containing it, and gpt-oss has
         # none (its sinks), though Ulysses attention computes them.
         self.name = name or f"ulysses_lc_{kernel.replace('sdpa', 'torch')}_{next(_instance_ids)}"
+        # False once SequenceParallelCausalLM.probe_attention found no explicit kernel for this model's call:
+        # the plan then counts no kept outputs or head groups (fallbacks.py).
+        self.explicit_ok = True
+        # The packed batch's borders while SequenceParallelCausalLM.hidden_states runs a forward (None: unpacked):
+        # each call checks that transformers' layer kwargs brought them here.
+        self.expected_bounds = None
         logger.info("ulysses_lc attention: kernel %s, sp_size %d", kernel, layout.sp_size)
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, document_bounds=None,
                  **kwargs):
         if attention_mask is not None:
             raise ValueError(_MASK_REFUSED)
+        if self.expected_bounds is not None and document_bounds != self.expected_bounds:
+            raise ValueError(
+                f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) got no document borders though "
+                "the batch is packed: this model's layers do not pass their keyword arguments on to the attention "
+                "function, so the packed documents would attend to each other. Train it unpacked (without --packing, "
+                "no cu_seqlens): one stream of text per sequence.")
         if kwargs.get("softcap") is not None:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
                              f"(softcap={kwargs['softcap']}), which no kernel here computes at any sp; train this model "

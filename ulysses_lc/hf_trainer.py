@@ -44,7 +44,7 @@ from .attention import check_model_for_ulysses
 from .constants import IGNORE_INDEX
 from .data import pad_token_id
 from .ds_config import check_deepspeed_config
-from .distributed import init_distributed
+from .distributed import init_distributed, seed_step
 from .layout import ParallelLayout
 from .model import SequenceParallelCausalLM
 from .sharding import document_lengths_from_positions, shard_batch
@@ -138,6 +138,18 @@ def deepspeed_initialize_with_mpu(layout: ParallelLayout):
         yield
     finally:
         deepspeed.initialize = original
+
+
+def check_engine_mpu(engine, layout: ParallelLayout) -> None:
+    """RuntimeError unless the DeepSpeed engine the Trainer trains holds `layout.mpu` (an mpu of this layout). `deepspeed_initialize_with_mpu`
+    reaches accelerate's call only because accelerate looks `deepspeed.initialize` up at call time; an engine built
+    without our mpu would reduce gradients and shard ZeRO-3 over the whole world, SP ranks included."""
+    if getattr(getattr(engine, "mpu", None), "layout", None) is not layout:  # layout.mpu makes a DeepSpeedMPU of it
+        raise RuntimeError(
+            f"the DeepSpeed engine ({type(engine).__name__}) was initialised without ulysses_lc's mpu (it holds "
+            f"{getattr(engine, 'mpu', None)!r}): gradients would be averaged over the ranks of one sequence. The "
+            "accelerate in use no longer calls deepspeed.initialize where UlyssesTrainer reaches it; report it "
+            "with the accelerate and transformers versions.")
 
 
 def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None = None) -> None:
@@ -303,7 +315,11 @@ class UlyssesTrainerMixin:
 
     def training_step(self, model, inputs, *args, **kwargs):
         if not self._planned:
+            check_engine_mpu(self.model_wrapped, self.layout)
             self._plan_memory(inputs["input_ids"].shape[1] * self.layout.sp_size, packed="cu_seqlens" in inputs)
+        # Per rank and micro step (the Trainer seeds every rank alike): dropout masks differ between the SP slices.
+        self._micro_steps = getattr(self, "_micro_steps", 0) + 1
+        seed_step(self.args.seed, self.layout.rank, self.state.global_step, self._micro_steps)
         return super().training_step(model, inputs, *args, **kwargs)
 
     def _plan_memory(self, batch_len: int, packed: bool = False) -> None:
@@ -313,6 +329,7 @@ class UlyssesTrainerMixin:
         longest = torch.tensor([max(self.seq_len or 0, batch_len)], dtype=torch.int64, device=device)
         torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=self.layout.world_group)
         wrapper = self.model
+        wrapper.probe_attention(device, next(wrapper.parameters()).dtype)  # the plan for the kernel actually used
         wrapper.use_plan(wrapper.plan_step(int(longest), device, packed=packed))
         self._planned = True
         if self.layout.rank == 0:
@@ -355,5 +372,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["SEQUENCE_COLUMNS", "ShardingCollator", "UlyssesTrainerMixin", "check_trainer_setup",
+__all__ = ["SEQUENCE_COLUMNS", "ShardingCollator", "UlyssesTrainerMixin", "check_engine_mpu", "check_trainer_setup",
            "deepspeed_initialize_with_mpu", "ulysses_trainer"]

@@ -6,6 +6,7 @@ import os
 import sys
 import warnings
 
+from .. import fallbacks
 from ..metrics import StepLogger
 from ..sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
 from ..yarn import describe_rope_scaling
@@ -91,7 +92,7 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
         + (f"; LoRA r {cfg.lora_r} on {cfg.lora_targets}: {checked.trainable_params / 1e6:,.2f} M trained, the rest "
            "frozen (no optimizer state)" if checked.trainable_params is not None else ""),
         f"length    {cfg.seq_len:,} tokens per step, {yarn}",
-        f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}",
+        f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}; fallbacks {fallbacks.summary()}",
         f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
         "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"
         + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),

@@ -25,7 +25,7 @@ import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
 from ..data.cache import default_cache_dir
-from ..distributed import init_distributed, world_size
+from ..distributed import init_distributed, seed_step, world_size
 from ..layout import ParallelLayout
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
@@ -134,6 +134,7 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
     # The plan is no larger than the dry run's for this machine's limits, and one that does not fit stops here.
     limits, limits_line = run_limits(cfg, checked, device, layout) or (None, None)
     reserve = plan_reservations(job_for(cfg, checked, num_params), limits) if limits else {}
+    model.probe_attention(device, checked.dtype)  # a kernel that refuses this model's call is known before the plan
     plan = model.plan_step(cfg.seq_len, device, packed=cfg.packing, **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
@@ -175,6 +176,7 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
                 batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
                                     vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
+                seed_step(cfg.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 loss = engine(**batch.as_kwargs())
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 engine.step()  # the optimizer steps at the last micro step only
