@@ -10,6 +10,8 @@ VOCAB = 97
 # of the tests' sequences at sp 2, overridable with sliding_window=...
 WINDOW_FAMILIES = ("mistral", "gemma3", "gpt_oss")
 WINDOW = 5
+# Gated DeltaNet hybrids (linear_attention.py): a linear-attention layer, then a gated full-attention one.
+LINEAR_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def tiny_config(family: str, **overrides):
@@ -28,6 +30,8 @@ def tiny_config(family: str, **overrides):
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
             mlp_only_layers=[], **common,
         )
+    if family in LINEAR_FAMILIES:
+        return linear_config(family, common)
     window = dict(sliding_window=common.pop("sliding_window", WINDOW))
     if family == "qwen3_sliding":  # use_sliding_window: layer 0 full, layer 1 windowed (max_window_layers)
         return Qwen3Config(use_sliding_window=True, max_window_layers=1, **window, **common)
@@ -42,7 +46,39 @@ def tiny_config(family: str, **overrides):
     raise ValueError(family)
 
 
+def linear_config(family, common):
+    """Two key heads (fewer than sp 4) for four value heads, a conv of width 4; partial rotary on the full layers.
+    Imported here, not at the top: transformers 5.17 (the GPU image) may lack a family (see linear_attention)."""
+    import transformers
+
+    common = dict(dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                       linear_conv_kernel_dim=4), **common)
+    common.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    name = {"qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig", "qwen3_next": "Qwen3NextConfig"}
+    config_class = getattr(transformers, name[family], None)
+    if config_class is None:
+        raise ValueError(f"transformers {transformers.__version__} has no {name[family]}; the {family} family needs "
+                         "transformers 5.17 or later.")
+    if family == "qwen3_5":
+        return config_class(**common)
+    if family == "qwen3_5_moe":
+        common.pop("intermediate_size")
+        return config_class(**moe, **common)
+    return config_class(decoder_sparse_step=1, mlp_only_layers=[], **moe, **common)
+
+
 def build(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    if family in LINEAR_FAMILIES:
+        # transformers draws the decay rates A from U(0.01, 16): a head with A ~ 16 forgets within a token, and its
+        # A_log / dt_bias gradients (~1e-8) are fp32 rounding (2.6e-4 off float64's in the plain model itself).
+        # Rates of 0.1 - 1 keep every head's state alive over the tiny sequences, so those gradients mean something.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer, "linear_attn"):
+                    a_log = layer.linear_attn.A_log
+                    a_log.copy_(torch.linspace(0.1, 1.0, a_log.numel()).log())
     return model.train()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Llama4TextConfig, MistralConfig, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, KimiLinearConfig, Llama4TextConfig, MistralConfig
 
 from tests.models import VOCAB, build, tiny_config
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, check_model_for_ulysses, shard_batch
@@ -31,13 +31,14 @@ def test_heads_not_divisible_lists_valid_sizes():
 @pytest.mark.parametrize(
     "config",
     [
-        Qwen3_5TextConfig(num_hidden_layers=4),  # three linear-attention layers in four
+        KimiLinearConfig(num_hidden_layers=4),  # linear attention of a kind other than the gated DeltaNet
         Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8192),
     ],
-    ids=["qwen3.5", "llama4-chunked"],
+    ids=["kimi-linear", "llama4-chunked"],
 )
 def test_local_attention_models_refused(config):
-    # Sliding-window models are trained (test_window.py); these layer types would be silently wrong.
+    # Sliding-window and gated DeltaNet models are trained (test_window.py, test_linear_parity.py); these layer types
+    # would be silently wrong.
     with pytest.raises(ValueError, match="would silently train as full causal attention"):
         check_model_for_ulysses(config, sp_size=2)
     check_model_for_ulysses(tiny_config("qwen3"), sp_size=2)  # full attention passes

@@ -48,7 +48,11 @@ def test_cli_defaults_to_tiny_without_gpu():
     if not torch.cuda.is_available():
         assert (cfg.model, cfg.data, cfg.steps) == ("tiny", "tiny", 3)
     full = parse_args(["--model", "Qwen/Qwen3-8B"])
-    assert (full.model, full.seq_len, full.data) == ("Qwen/Qwen3-8B", 1_048_576, "pg19")
+    if not torch.cuda.is_available():  # any model gets the embedded data and a short sequence (issue 31)
+        assert (full.model, full.seq_len, full.data, full.lr) == ("Qwen/Qwen3-8B", 4096, "tiny", 1e-5)
+    # A dry run sizes the GPU run, from anywhere.
+    sized = parse_args(["--model", "Qwen/Qwen3-8B", "--dry-run"])
+    assert (sized.model, sized.seq_len, sized.data) == ("Qwen/Qwen3-8B", 1_048_576, "pg19")
 
 
 def test_train_resume_export(tmp_path):
@@ -172,7 +176,11 @@ def test_train_from_local_folder(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_model_config()).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    cfg = tiny_config(tmp_path, model=str(folder), steps=2, export=False)
+    # No --data: without GPUs a local folder trains on the embedded data too, as --help says (issue 31).
+    cfg = parse_args(["--model", str(folder), "--seq-len", "2048", "--steps", "2", "--lr", "3e-3", "--no-export",
+                      "--output-dir", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")])
+    if not torch.cuda.is_available():
+        assert cfg.data == "tiny"
     records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
     losses = losses_of(records)
     assert len(losses) == 2 and all(np.isfinite(losses))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, GptOssConfig, Llama4TextConfig, MistralConfig, Qwen3_5TextConfig
+from transformers import Gemma3TextConfig, GptOssConfig, KimiLinearConfig, Llama4TextConfig, MistralConfig
 
 from tests.models import WINDOW_FAMILIES, build, tiny_config
 from ulysses_lc import check_model_for_ulysses, install_efficient_rmsnorm
@@ -149,7 +149,7 @@ def test_model_check_accepts_window_families_and_names_what_it_refuses():
     # sp_size=1 as the fix.
     for sp in (1, 2):
         for config, what in ((Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8192), r"\['chunked_attention'\]"),
-                             (Qwen3_5TextConfig(num_hidden_layers=4), r"\['linear_attention'\]"),
+                             (KimiLinearConfig(num_hidden_layers=4), r"\['linear_attention'\]"),
                              (Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True),
                               "use_bidirectional_attention=False"),
                              (tiny_config("gemma3", attn_logit_softcapping=50.0), "attn_logit_softcapping")):

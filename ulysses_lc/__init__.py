@@ -9,6 +9,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   explicit_attention.py  SDPA's forward/backward ops called directly: kept outputs, head groups
   window_attention.py  sliding-window causal attention and attention sinks (Mistral, Gemma 3, gpt-oss), exact
   fallbacks.py      which kernel errors mean "no kernel for these inputs"; each fallback taken, for the step record
+  linear_attention.py  gated DeltaNet layers (Qwen3.5, Qwen3-Next): exchange, then conv and recurrence whole (fla/torch)
   attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
   recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
   checkpointing.py  install_checkpointing: per-layer checkpoints, what is offloaded and when
@@ -17,6 +18,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   rmsnorm.py        install_efficient_rmsnorm: RMSNorm saving its bf16 input
   chunked_loss.py   chunked_cross_entropy / install_chunked_loss_head: no [tokens x vocab] logits
   loss.py           sp_mean_loss: the sequence's mean loss over the SP group
+  preference.py     DPO / IPO: pairs packed as two documents, completion log-probs in chunks, the loss, references
   memory.py         plan_memory -> MemoryPlan: what each layer keeps, from free device and host memory
   memory_model.py   what a step holds per rank, in terms fitted to measured H200 peaks (the planner's prices)
   sizing.py         Job: predicted memory per rank, whether it fits, the longest sequence, the step time
@@ -38,8 +40,10 @@ from .ds_config import check_deepspeed_config, load_deepspeed_config
 from .handle import Handle
 from .explicit_attention import attention_head_groups
 from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
+from .linear_attention import install_linear_attention
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, plan_memory, plan_step_memory
+from .preference import PreferenceBatch, PreferenceLoss, reference_log_probs, shard_pairs
 from .metrics import StepLogger, model_flops_per_step
 from .model import SequenceParallelCausalLM
 from .recompute import LayerRun, RecomputeContext
@@ -58,6 +62,8 @@ __all__ = [
     "MemoryPlan",
     "ModelShape",
     "ParallelLayout",
+    "PreferenceBatch",
+    "PreferenceLoss",
     "RecomputeContext",
     "SequenceParallelCausalLM",
     "ShardedBatch",
@@ -75,6 +81,7 @@ __all__ = [
     "install_checkpointing",
     "install_chunked_loss_head",
     "install_efficient_rmsnorm",
+    "install_linear_attention",
     "install_tiled_mlp",
     "install_ulysses_attention",
     "load_deepspeed_config",
@@ -83,7 +90,9 @@ __all__ = [
     "plan_memory",
     "plan_step_memory",
     "reduce_gradients",
+    "reference_log_probs",
     "shard_batch",
+    "shard_pairs",
     "sp_mean_loss",
     "valid_sp_sizes",
     "yarn_rope_parameters",

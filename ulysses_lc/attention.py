@@ -32,6 +32,7 @@ from .explicit_attention import (
 )
 from .kernels import KERNELS, causal_attention, document_attention, flash_attn_func, resolve_kernel
 from .layout import ParallelLayout, check_heads
+from .linear_attention import LINEAR_MODEL_TYPES, check_linear_heads, install_linear_attention
 from .recompute import LayerRun, RecomputeContext
 from .shape import ModelShape, text_config
 from .window_attention import window_attention
@@ -239,6 +240,7 @@ class UlyssesAttention:
                     f"{shape.kv_heads} kv heads over sp_size {sp} = {local_kv}; pick a divisor of "
                     f"{local_kv}, or head_groups='auto'."
                 )
+        linear = install_linear_attention(model, self.layout)
         self.register()
         previous = model.config._attn_implementation
         _set_attn(model, self.name)
@@ -249,9 +251,10 @@ class UlyssesAttention:
             hook.remove()
             _set_attn(model, previous)
             self.unregister()
+            linear.undo()
 
         handle = Handle(undo, f"ulysses attention ({self.kernel})")
-        handle.attention = self
+        handle.attention, handle.linear = self, linear
         return handle
 
 
@@ -303,14 +306,16 @@ def check_model_for_ulysses(config, sp_size: int) -> None:
             "ranks; load it with attn_implementation='sdpa' (ulysses_lc then switches it to Ulysses attention)."
         )
     layer_types = set(getattr(cfg, "layer_types", None) or [])
-    refused = sorted(layer_types - _EXACT_LAYER_TYPES)
+    exact = _EXACT_LAYER_TYPES | ({"linear_attention"} if cfg.model_type in LINEAR_MODEL_TYPES else set())
+    refused = sorted(layer_types - exact)
     if getattr(cfg, "attention_chunk_size", None):
         refused = sorted(set(refused) | {"chunked_attention"})
     if refused:
         raise ValueError(
             f"{cfg.model_type} has layers of type {refused}, which Ulysses attention (installed at every sp, sp 1 "
             "included) would silently train as full causal attention. ulysses_lc trains full and sliding-window "
-            "attention (Qwen3, Llama, Mistral, Gemma 3, gpt-oss); train this model without ulysses_lc."
+            "attention (Qwen3, Llama, Mistral, Gemma 3, gpt-oss) and gated DeltaNet layers (Qwen3.5, Qwen3-Next); "
+            "train this model without ulysses_lc."
         )
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError(f"{cfg.model_type} with use_bidirectional_attention=True attends to later tokens, which the "
@@ -326,6 +331,8 @@ def check_model_for_ulysses(config, sp_size: int) -> None:
                          "run without dropout; set config.attention_dropout=0.")
     shape = ModelShape.from_config(cfg)
     check_heads(shape.heads, shape.kv_heads, sp_size)
+    if "linear_attention" in layer_types and not refused:
+        check_linear_heads(cfg, sp_size)
 
 
 __all__ = ["UlyssesAttention", "check_model_for_ulysses", "install_ulysses_attention", "kept_output_attention",

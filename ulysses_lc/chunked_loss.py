@@ -97,6 +97,59 @@ def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int) -> None:
         )
 
 
+def check_labels_on_device(labels_t: torch.Tensor, valid_t: torch.Tensor, v: int) -> None:
+    """The loss's own label range check: a ValueError for CPU labels (no sync), a device-side assert on a GPU."""
+    # A bad label would otherwise index out of range inside gather (a device-side assert on GPU, far from its cause).
+    if labels_t.device.type == "cpu":
+        check_labels_in_vocab(labels_t, v)  # reading a CPU tensor is no sync
+        return
+    # No host sync: fails loudly on the device before gather reads out of range. The clear message comes from the
+    # host-side check in shard_batch(..., vocab_size=...).
+    bad_t = (valid_t & ((labels_t < 0) | (labels_t >= v))).any()
+    torch._assert_async(
+        bad_t.logical_not(),
+        f"labels must be in [0, {v}) or IGNORE_INDEX={IGNORE_INDEX}; pass vocab_size to shard_batch for a clear "
+        "error on the host.",
+    )
+
+
+def chunk_step(hidden_ce, weight_ve, bias_v, safe_labels_c, valid_c, softcap, acc_dtype,
+               grad_hidden_ce=None, grad_weight_ve=None, grad_bias_v=None) -> torch.Tensor:
+    """One chunk of the head: returns the summed cross-entropy of its valid rows and, for grad_output = 1, writes
+    the rows' hidden-state gradient into grad_hidden_ce and adds the weight's and bias's into the fp32 accumulators
+    (each None when not needed; all None: the forward matmul alone). Ignored rows give exact zeros everywhere.
+    Only one [c, v] fp32 block (two with softcap) is live at a time."""
+    labels_c1 = safe_labels_c.unsqueeze(1)
+    logits_cv = F.linear(hidden_ce, weight_ve, bias_v).to(acc_dtype)
+    tanh_cv = None
+    if softcap is not None:
+        tanh_cv = logits_cv.div_(softcap).tanh_()
+        logits_cv = tanh_cv * softcap
+    lse_c = torch.logsumexp(logits_cv, dim=-1)
+    target_logit_c = logits_cv.gather(1, labels_c1).squeeze(1)
+    chunk_loss = torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
+    if grad_hidden_ce is None and grad_weight_ve is None and grad_bias_v is None:
+        return chunk_loss
+    # d loss_row / d logits_row = mask_row * (softmax(logits_row) - onehot(label)), built in place in the fp32 logits
+    # buffer so the chunk never holds a second [c, v] fp32 block. Ignored rows subtract +inf: exp gives exact zeros,
+    # masking them in the same pass, and their one-hot is scattered with 0.
+    shift_c = lse_c.masked_fill(valid_c.logical_not(), float("inf"))
+    dlogits_cv = logits_cv.sub_(shift_c.unsqueeze(1)).exp_()
+    dlogits_cv.scatter_add_(1, labels_c1, valid_c.to(acc_dtype).neg_().unsqueeze(1))
+    if tanh_cv is not None:  # through z = cap tanh(logits / cap)
+        dlogits_cv.mul_(tanh_cv.square_().neg_().add_(1.0))
+        del tanh_cv
+    if grad_bias_v is not None:
+        grad_bias_v += dlogits_cv.sum(0)
+    dlogits_lowp_cv = dlogits_cv.to(hidden_ce.dtype)
+    del dlogits_cv, logits_cv
+    if grad_hidden_ce is not None:
+        torch.mm(dlogits_lowp_cv, weight_ve, out=grad_hidden_ce)
+    if grad_weight_ve is not None:
+        grad_weight_ve += (dlogits_lowp_cv.t() @ hidden_ce).to(grad_weight_ve.dtype)
+    return chunk_loss
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `hidden_te @ weight_ve.T (+ bias_v)` against `labels_t`.
 
@@ -122,19 +175,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         need_grad_bias = need_grad_bias and bias_v is not None
 
         valid_t = labels_t != IGNORE_INDEX
-        # A bad label would otherwise index out of range inside gather (a device-side assert on
-        # GPU, far from its cause).
-        if labels_t.device.type == "cpu":
-            check_labels_in_vocab(labels_t, v)  # reading a CPU tensor is no sync
-        else:
-            # No host sync: fails loudly on the device before gather reads out of range. The
-            # clear message comes from the host-side check in shard_batch(..., vocab_size=...).
-            bad_t = (valid_t & ((labels_t < 0) | (labels_t >= v))).any()
-            torch._assert_async(
-                bad_t.logical_not(),
-                f"labels must be in [0, {v}) or IGNORE_INDEX={IGNORE_INDEX}; pass vocab_size to "
-                "shard_batch for a clear error on the host.",
-            )
+        check_labels_on_device(labels_t, valid_t, v)
         # Ignored rows gather/scatter column 0 (any in-range column would do); the mask zeroes them.
         safe_labels_t = labels_t.clamp(min=0)
         n_valid_t = valid_t.sum()  # int64 on the device, no sync
@@ -146,41 +187,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             torch.zeros(v, e, dtype=acc_dtype, device=weight_ve.device) if need_grad_weight else None
         )
         grad_bias_v = torch.zeros(v, dtype=acc_dtype, device=weight_ve.device) if need_grad_bias else None
-        any_grad = need_grad_hidden or need_grad_weight or need_grad_bias
 
         # A static walk over all t rows: the chunk count never depends on label values.
         for start in range(0, t, chunk_rows):
             end = min(start + chunk_rows, t)
             hidden_ce = hidden_te[start:end]
-            labels_c1 = safe_labels_t[start:end].unsqueeze(1)
-            valid_c = valid_t[start:end]
-            logits_cv = F.linear(hidden_ce, weight_ve, bias_v).to(acc_dtype)
-            tanh_cv = None
-            if softcap is not None:
-                tanh_cv = logits_cv.div_(softcap).tanh_()
-                logits_cv = tanh_cv * softcap
-            lse_c = torch.logsumexp(logits_cv, dim=-1)
-            target_logit_c = logits_cv.gather(1, labels_c1).squeeze(1)
-            loss_sum += torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
-            if not any_grad:
-                continue
-            # d loss_row / d logits_row = mask_row * (softmax(logits_row) - onehot(label)), built in
-            # place in the fp32 logits buffer so the chunk never holds a second [c, v] fp32 block.
-            # Ignored rows subtract +inf: exp gives exact zeros, masking them in the same pass.
-            shift_c = lse_c.masked_fill(valid_c.logical_not(), float("inf"))
-            dlogits_cv = logits_cv.sub_(shift_c.unsqueeze(1)).exp_()
-            dlogits_cv.scatter_add_(1, labels_c1, valid_c.to(acc_dtype).neg_().unsqueeze(1))
-            if tanh_cv is not None:  # through z = cap tanh(logits / cap)
-                dlogits_cv.mul_(tanh_cv.square_().neg_().add_(1.0))
-                del tanh_cv
-            if need_grad_bias:
-                grad_bias_v += dlogits_cv.sum(0)
-            dlogits_lowp_cv = dlogits_cv.to(dtype)
-            del dlogits_cv, logits_cv
-            if need_grad_hidden:
-                torch.mm(dlogits_lowp_cv, weight_ve, out=grad_hidden_te[start:end])
-            if need_grad_weight:
-                grad_weight_ve += (dlogits_lowp_cv.t() @ hidden_ce).to(acc_dtype)
+            loss_sum += chunk_step(
+                hidden_ce, weight_ve, bias_v, safe_labels_t[start:end], valid_t[start:end], softcap, acc_dtype,
+                None if grad_hidden_te is None else grad_hidden_te[start:end], grad_weight_ve, grad_bias_v)
 
         ctx.grad_hidden_te = grad_hidden_te
         ctx.grad_weight_ve = grad_weight_ve
@@ -265,7 +279,10 @@ class ChunkedLossHead(nn.Module):
         self.chunk_rows = chunk_rows
         self.softcap = softcap
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, documents=None):
+        """Logits without labels; (loss_sum, n_valid) with them; with `documents` (a preference.DocumentRows), each
+        document's summed log-probabilities of its labels, through `documents.log_probs` (ZeRO-3 has gathered the
+        weight for this module's forward either way)."""
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
         if labels.shape != hidden.shape[:-1]:
@@ -273,6 +290,9 @@ class ChunkedLossHead(nn.Module):
                 f"labels shape {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}; "
                 "pass labels already shifted to align with hidden."
             )
+        if documents is not None:
+            return documents.log_probs(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias,
+                                       labels.reshape(-1), self.chunk_rows, self.softcap)
         return chunked_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1), self.bias, self.chunk_rows,
             self.softcap,
@@ -306,6 +326,8 @@ def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None) -
 
 __all__ = [
     "ChunkedCrossEntropy",
+    "check_labels_on_device",
+    "chunk_step",
     "ChunkedLossHead",
     "auto_chunk_rows",
     "check_labels_in_vocab",

@@ -69,6 +69,61 @@ class _QKVSeqToHeads(torch.autograd.Function):
         return (*out, None, None)
 
 
+def _bshd_seq_to_heads(xs, group, sp):
+    """[b, s_local, h_x, d_x] each -> [b, s, h_x / sp, d_x] each, packed into one all-to-all."""
+    widths = [x.shape[2] // sp * x.shape[3] for x in xs]
+    parts = torch.cat([x.reshape(*x.shape[:2], sp, -1).movedim(2, 0) for x in xs], dim=-1)  # [sp, b, s_local, W]
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=group)
+    # received[i]: rank i's slice of the sequence for this rank's heads -> the whole sequence in global order.
+    whole = received.movedim(0, 1).flatten(1, 2)
+    return tuple(w.unflatten(-1, (x.shape[2] // sp, x.shape[3])) for w, x in zip(whole.split(widths, -1), xs))
+
+
+def _bshd_heads_to_seq(xs, group, sp):
+    """[b, s, h_local, d_x] each -> [b, s / sp, h_local sp, d_x] each, packed into one all-to-all."""
+    widths = [x.shape[2] * x.shape[3] for x in xs]
+    parts = torch.cat([x.flatten(2).unflatten(1, (sp, -1)).movedim(1, 0) for x in xs], dim=-1)  # [sp, b, s_local, W]
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=group)
+    # received[i]: rank i's heads of this rank's slice -> all heads, in rank order.
+    return tuple(r.movedim(0, 2).reshape(*r.shape[1:3], sp * x.shape[2], x.shape[3])
+                 for r, x in zip(received.split(widths, -1), xs))
+
+
+class _BSHDExchange(torch.autograd.Function):
+    """Tensors of one dtype in [b, s, h, d] layout (the gated DeltaNet's, linear_attention.py), exchanged together in
+    ONE all-to-all. to_heads: forward sends each rank its heads' slices ([b, s_local, h, d] -> [b, s, h / sp, d]),
+    backward sends the gradients back the inverse way; else the reverse. Saves nothing for backward."""
+
+    @staticmethod
+    def forward(ctx, to_heads, group, sp, *xs):
+        outs = (_bshd_seq_to_heads if to_heads else _bshd_heads_to_seq)(xs, group, sp)
+        ctx.to_heads, ctx.group, ctx.sp, ctx.shapes = to_heads, group, sp, [o.shape for o in outs]
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ref = next(g for g in grads if g is not None)
+        grads = [ref.new_zeros(shape) if g is None else g for g, shape in zip(grads, ctx.shapes)]
+        back = (_bshd_heads_to_seq if ctx.to_heads else _bshd_seq_to_heads)(grads, ctx.group, ctx.sp)
+        return (None, None, None, *back)
+
+
+def bshd_seq_to_heads(xs, layout: ParallelLayout) -> tuple:
+    """[b, s_local, h_x, d_x] tensors of one dtype -> [b, s, h_x / sp, d_x] each, in one all-to-all (differentiable)."""
+    if layout.sp_size == 1:
+        return tuple(xs)
+    return _BSHDExchange.apply(True, layout.sp_group, layout.sp_size, *xs)
+
+
+def bshd_heads_to_seq(x_bshd: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """[b, s, h_local, d] -> [b, s_local, h, d] (differentiable)."""
+    if layout.sp_size == 1:
+        return x_bshd
+    return _BSHDExchange.apply(False, layout.sp_group, layout.sp_size, x_bshd)[0]
+
+
 def qkv_seq_to_heads(q, k, v, layout: ParallelLayout):
     """seq_to_heads of q, k and v together: one all-to-all when their dtype, batch, local length and head
     dim agree (always for Llama/Qwen-style attention), three otherwise."""
@@ -107,4 +162,4 @@ def replicate_kv_heads(kv_bhsd: torch.Tensor, sp_size: int) -> torch.Tensor:
     return kv_bhsd.repeat_interleave(sp_size // h_kv, dim=1)
 
 
-__all__ = ["heads_to_seq", "qkv_seq_to_heads", "replicate_kv_heads", "seq_to_heads"]
+__all__ = ["bshd_heads_to_seq", "bshd_seq_to_heads", "heads_to_seq", "qkv_seq_to_heads", "replicate_kv_heads", "seq_to_heads"]

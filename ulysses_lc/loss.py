@@ -37,6 +37,11 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+def sp_sum(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """x summed over the SP group, differentiable (each rank's gradient then flows as _SumOverGroup says)."""
+    return _SumOverGroup.apply(x, layout.sp_group) if layout.sp_size > 1 else x
+
+
 def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: ParallelLayout):
     """Mean loss over the valid tokens of the whole sequence, identical on every rank of the SP group.
 

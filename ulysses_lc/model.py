@@ -25,6 +25,7 @@ from .layout import ParallelLayout
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
 from .peft_support import causal_lm, check_peft_model
+from .preference import document_log_probs
 from .recompute import RecomputeContext
 from .rmsnorm import install_efficient_rmsnorm
 from .shape import ModelShape
@@ -225,10 +226,14 @@ class SequenceParallelCausalLM(nn.Module):
         finally:
             self.attention.expected_bounds = None
 
-    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None):
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None):
+        """The sequence's mean loss; with `documents` (an int, preference training) the [documents] summed
+        log-probabilities of the first packed documents' labels instead, the same on every SP rank (preference.py)."""
         if labels is None:
             raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
         hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
+        if documents is not None:
+            return document_log_probs(self, hidden_bse, labels, cu_seqlens, int(documents), self.layout)
         head = self.causal_lm.get_output_embeddings()
         if isinstance(head, ChunkedLossHead):
             loss_sum, n_valid = head(hidden_bse, labels)

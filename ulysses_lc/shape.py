@@ -61,12 +61,17 @@ def window_pairs(seq: int, window: int | None) -> float:
     return seq * w - w * w / 2
 
 
+def _dense_width(cfg) -> int:
+    """i of a dense MLP; Qwen3.5-MoE has no dense layer (and no intermediate_size): its expert width."""
+    return getattr(cfg, "intermediate_size", None) or cfg.moe_intermediate_size
+
+
 def _mlp_params(cfg, layer: int, active: bool = False) -> int:
     """Weights an MLP holds (active: those it multiplies each token by): dense 3 e i (gate, up, down); MoE the
     router and every expert, or only the num_experts_per_tok active ones (+ a shared expert where there is one)."""
     e = cfg.hidden_size
     if not _is_moe_layer(cfg, layer):
-        return 3 * e * cfg.intermediate_size
+        return 3 * e * _dense_width(cfg)
     experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
     shared = getattr(cfg, "shared_expert_intermediate_size", None) or 0
     width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size  # gpt-oss: intermediate_size
@@ -103,7 +108,7 @@ class ModelShape:
         layer_params = sum(attention + _mlp_params(cfg, n, active=True) for n in range(cfg.num_hidden_layers))
         largest_layer = max(attention + _mlp_params(cfg, n) for n in range(cfg.num_hidden_layers))
         return cls(
-            layers=cfg.num_hidden_layers, hidden=e, intermediate=cfg.intermediate_size, heads=heads,
+            layers=cfg.num_hidden_layers, hidden=e, intermediate=_dense_width(cfg), heads=heads,
             kv_heads=kv_heads, head_dim=d, vocab=getattr(cfg, "vocab_size", 0) or 0,
             tied_head=bool(getattr(config, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
             layer_matmul_params=layer_params, attention_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,

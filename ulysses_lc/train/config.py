@@ -2,7 +2,9 @@
 
 The command line lives here, not in examples/, so that every script (examples/train_1m.py, a user's
 own) gets the same flags, defaults and help. Without GPUs, or with --model tiny, the defaults switch to
-the embedded tiny Qwen3 on generated text and a short sequence (`TINY_DEFAULTS`).
+the embedded tiny Qwen3 on generated text and a short sequence (`TINY_DEFAULTS`); a --model given on a machine
+without GPUs keeps the generated text and short sequence (`CPU_DEFAULTS`), except in a dry run, which sizes the GPU
+run.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class TrainConfig:
 
 
 TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3)
+# Without GPUs, for any --model: the laptop's run needs no network and ends in minutes. The tiny model's lr stays
+# with it (3e-3 would throw a real model's weights off).
+CPU_DEFAULTS = {k: v for k, v in TINY_DEFAULTS.items() if k not in ("model", "lr")}
 
 DESCRIPTION = """\
 Fine-tune a causal LM on one ~1M-token sequence per step: Ulysses SP + ZeRO-3 + all memory levers.
@@ -132,7 +137,9 @@ Fine-tune a causal LM on one ~1M-token sequence per step: Ulysses SP + ZeRO-3 + 
     deepspeed --num_gpus 8 examples/train_1m.py --model ./my-model --data ./books/ --seq-len 524288
 
 Without GPUs (or with --model tiny) the defaults switch to the embedded tiny Qwen3, generated text and a
-short sequence, so the whole pipeline runs on a laptop in minutes and prints steps in the same format.
+short sequence, so the whole pipeline runs on a laptop in minutes and prints steps in the same format; a --model
+given without GPUs (a local folder too) also trains on generated text unless --data says otherwise. A --dry-run
+keeps the GPU defaults for a given --model: it sizes the GPU run.
 """
 
 
@@ -152,13 +159,14 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     t = TINY_DEFAULTS
     p.add_argument("--model", help=f"hub name or local folder, or 'tiny' (default {d.model}; tiny without GPUs)")
     p.add_argument("--seq-len", type=int,
-                   help=f"tokens per sequence, one sequence per step (default {d.seq_len:,}; tiny: {t['seq_len']:,})")
+                   help=f"tokens per sequence, one sequence per step (default {d.seq_len:,}; tiny or without GPUs: "
+                        f"{t['seq_len']:,})")
     p.add_argument("--sp-size", type=int, help="ranks sharing one sequence (default: all ranks; DP over the rest)")
     p.add_argument("--sp-placement", choices=list(PLACEMENTS), default=d.sp_placement,
                    help="node (default): each SP group inside one node, so the all-to-all stays on NVLink, DP across "
                         "nodes; SP groups span nodes only where --sp-size exceeds the GPUs per node. across: SP over "
                         "the nodes, DP inside each")
-    p.add_argument("--data", help="'pg19', a hub dataset 'org/name[:split]', a .jsonl/.json/.parquet/.arrow/.csv file "
+    p.add_argument("--data", help="(default pg19; without GPUs tiny) 'pg19', a hub dataset 'org/name[:split]', a .jsonl/.json/.parquet/.arrow/.csv file "
                                   "or a folder of them, a .txt file or folder of .txt, a .npy/.bin of token ids, or 'tiny'")
     p.add_argument("--text-column", help="column of plain text (default: messages, then prompt/completion, then text)")
     p.add_argument("--data-config", help="a hub dataset's config name")
@@ -170,7 +178,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "per sample); default: samples joined into one causal stream")
     p.add_argument("--long-samples", choices=["split", "refuse"],
                    help="with --packing: cut a sample longer than --seq-len into pieces, or refuse it (default split)")
-    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}; tiny: {t['steps']})")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps}; tiny or without GPUs: {t['steps']})")
     p.add_argument("--global-batch", type=int,
                    help="sequences per optimizer step, a multiple of dp_size: each DP group accumulates gradients over "
                         "global-batch / dp_size sequences (default: dp_size; on --resume the saved run's, so a resume "
@@ -249,7 +257,8 @@ def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
-    tiny = args["model"] == TINY or (args["model"] is None and not torch.cuda.is_available())
-    defaults = TINY_DEFAULTS if tiny else {}
+    no_gpu = not torch.cuda.is_available()
+    tiny = args["model"] == TINY or (args["model"] is None and no_gpu)
+    defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
     values = {k: (v if v is not None else defaults.get(k, getattr(d, k))) for k, v in args.items()}
     return TrainConfig(**values)

@@ -1,17 +1,50 @@
 """Model config, tokenizer and weights for a run: from the hub, a local folder, or the embedded tiny model.
 
 The config is read first and alone (no weights), so that the SP split and YaRN are checked in seconds;
-a failed read says whether the name or the network is wrong.
+a failed read says whether the name or the network is wrong. Whether the hub can be reached is asked once, in
+seconds (`hub_offline`): offline, hub names are read from the local cache only, since huggingface_hub's own
+retries take 25-40 s per rank to give up.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
 from .config import TINY
+
+HUB_PROBE_S = 3.0  # a TCP connect to the hub (or the proxy) answers in well under a second where there is a route
+LOCAL_ALTERNATIVES = ("--model ./folder (a local copy, e.g. `hf download NAME --local-dir ./folder` on a machine "
+                      "with network) or --model tiny, and --data tiny (generated text) or a local .txt/.jsonl/.parquet "
+                      "file or folder")
+
+
+@functools.lru_cache(maxsize=None)
+def hub_offline() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here ("HF_HUB_OFFLINE=1", "no route to huggingface.co:443"),
+    or None where it can: HF_HUB_OFFLINE, else one TCP connect within HUB_PROBE_S to the hub's endpoint (or to the
+    HTTPS proxy that reaches it)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE=1"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = urlparse(proxy if proxy and endpoint.scheme == "https" else endpoint.geturl())
+    host, port = target.hostname, target.port or (443 if target.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_S).close()
+    except OSError as e:
+        return f"no route to {host}:{port} ({e})"
+    return None
+
+
+def _hub_kwargs(name: str) -> dict:
+    """from_pretrained's keywords for `name`: the local cache only where a hub name cannot be fetched."""
+    return {"local_files_only": True} if not Path(name).exists() and hub_offline() else {}
 
 
 def load_model_config(name: str):
@@ -23,7 +56,7 @@ def load_model_config(name: str):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, **_hub_kwargs(name))
     except (OSError, ValueError) as e:
         raise ValueError(_why_not_loadable(name, e)) from e
 
@@ -32,15 +65,16 @@ def _why_not_loadable(name: str, e: Exception) -> str:
     # transformers raises OSError for a bad name, a missing network and a broken folder alike; the text tells.
     text = str(e).lower()
     bad_name = "valid model identifier" in text or "repo id" in text or "repo_id" in text
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in text or "connect" in text
+    offline = hub_offline()
     if Path(name).exists():
         why = f"the local path {name} holds no loadable model config ({e})"
-    elif offline and not bad_name:
-        why = f"no network and no local copy of {name} in the Hugging Face cache"
+        return f"cannot load --model {name}: {why}. Pass a folder holding config.json, or --model tiny."
+    if offline or (not bad_name and ("offline" in text or "connect" in text)):
+        why = f"no network ({offline or 'the hub did not answer'}) and no local copy of {name} in the Hugging Face cache"
     else:
         why = f"{name} is not a model on the Hugging Face hub or a local folder ({type(e).__name__})"
-    return (f"cannot load --model {name}: {why}. Pass a local model folder, or --model tiny to try the "
-            "pipeline on the embedded tiny model.")
+    return (f"cannot load --model {name}: {why}. Without the hub, pass "
+            f"{LOCAL_ALTERNATIVES.replace('NAME', name)}.")
 
 
 def load_tokenizer(name: str):
@@ -51,7 +85,7 @@ def load_tokenizer(name: str):
         return tiny_tokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(name, **_hub_kwargs(name))
 
 
 def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.device, ds_config: dict,
@@ -83,7 +117,7 @@ def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.d
         # the world size, so the batch keys are left for it to derive.
         init_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
         zero3 = HfDeepSpeedConfig(init_config)  # must stay alive while from_pretrained and peft run
-        model = adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype))
+        model = adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)))
         del zero3
         return model
-    return adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype).to(device))
+    return adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)).to(device))

@@ -24,7 +24,7 @@ from ..yarn import plan_rope
 from ..zero_reshard import check_complete
 from .run_state import CHECKPOINT_DIR, check_output_dir, find_latest_run, latest_tag, saved_layout
 from .config import TrainConfig
-from .loading import load_model_config
+from .loading import hub_offline, load_model_config
 
 
 # (flag, its TrainConfig field, the module it imports, the pyproject extra that installs it)
@@ -128,7 +128,12 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
             except ImportError as e:
                 raise ValueError(f"{flag} needs the {extra} package ({e}); pip install 'ulysses_lc[{extra}]' or drop "
                                  f"{flag}.") from e
-    parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
+    source = parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
+    if source.kind == "hub" and not cfg.dry_run and (offline := hub_offline()):
+        # Its first rows are read before the weights load (data.check_source): without the hub that only fails later.
+        raise ValueError(f"--data {cfg.data} streams from the Hugging Face hub, which cannot be reached here "
+                         f"({offline}); pass --data tiny (generated text) or local data files (.jsonl, .parquet, "
+                         ".txt, or a folder of them).")
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
     rope = plan_rope(model_config, cfg.seq_len, cfg.yarn_factor, rope_scaling=cfg.rope_scaling, sp_size=sp_size)
