@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import Qwen3Config
+from transformers import GptOssConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
 
 from ulysses_lc import MemoryPlan, ModelShape, memory, memory_model
 from ulysses_lc.sizing import Job
@@ -33,11 +33,36 @@ SHAPES = {  # public configs (ANCHORS.md "Shapes"), written here: no downloads
 }
 
 
-def qwen3_config(name: str, layers: int | None = None) -> Qwen3Config:
+def qwen3_config(name: str, layers: int | None = None):
+    """The public config of shape `name`: a Qwen3 dense shape above, or one of OTHER_SHAPES (a sliding window, sinks,
+    MoE); `layers` fewer decoder layers where the whole model would not fit one GPU."""
+    if name in OTHER_SHAPES:
+        cls, kwargs = OTHER_SHAPES[name]
+        return cls(**{**kwargs, **({"num_hidden_layers": layers} if layers else {})})
     kwargs = dict(SHAPES[name], head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6)
     if layers:
         kwargs["num_hidden_layers"] = layers
     return Qwen3Config(**kwargs)
+
+
+# Shapes of other families, from their public config.json files (hub names in the comments), for points held out of
+# the fit (`held_out`): a sliding window, attention sinks with MoE, and a fine-grained MoE.
+OTHER_SHAPES = {
+    "mistral-7b": (MistralConfig, dict(  # mistralai/Mistral-7B-v0.1: every layer windowed at 4096
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=32000, sliding_window=4096, max_position_embeddings=32768, rope_theta=1e4,
+        tie_word_embeddings=False)),
+    "gpt-oss-20b": (GptOssConfig, dict(  # openai/gpt-oss-20b: sinks, sliding 128 / full layers, 32 experts (4 a token)
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, vocab_size=201088, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        max_position_embeddings=131072, tie_word_embeddings=False, attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
+    "qwen3-30b-a3b": (Qwen3MoeConfig, dict(  # Qwen/Qwen3-30B-A3B: 128 experts of 768 (8 a token)
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
+        num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+        rope_theta=1e6, tie_word_embeddings=False)),
+}
 
 
 def predict_point(point: dict) -> tuple[float, float]:

@@ -10,7 +10,7 @@ shorter must differ by more, so the comparison can fail.
 import pytest
 import torch
 
-from tests.test_window import dense_reference
+from tests._attention_ref import dense_reference
 from ulysses_lc.kernels import document_attention
 from ulysses_lc.window_attention import window_attention
 
