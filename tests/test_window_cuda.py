@@ -3,8 +3,9 @@ window, sinks, packed documents, GQA, bf16. Skipped without a GPU; on one H200 w
 `python -m pytest tests/test_window_cuda.py -q`.
 
 Tolerance: bf16 inputs, the reference in fp32 on the same (rounded) inputs. Relative Frobenius error at most 2e-2 for
-the output and 4e-2 for each gradient (a bf16 kernel over these lengths lands near 4e-3 / 8e-3); a window one key
-shorter must differ by more, so the comparison can fail.
+the output and 4e-2 for each gradient (measured on an H200, 2026-12-01: the outputs 2.0e-3 to 2.8e-3); a window of half
+the size must differ by more than 5x that error, so the comparison can fail (one key fewer of a 700-key window moves
+the output by only 2-8x the bf16 error).
 """
 
 import pytest
@@ -43,8 +44,9 @@ def _check(run, inputs, window, bounds=None):
     want = torch.autograd.grad(ref, ref_inputs, grad_out.float())
     errors = [_rel(out, ref)] + [_rel(a, b) for a, b in zip(got, want)]
     assert errors[0] <= OUT_TOL and max(errors[1:]) <= GRAD_TOL, errors
-    if window is not None and window > 1:  # the check can fail: one key fewer is another result
-        assert _rel(out, dense_reference(rq, rk, rv, scale, window - 1, rsink, bounds)) > 10 * errors[0]
+    if window is not None and window > 1:  # the check can fail: half the window is another result
+        assert _rel(out, dense_reference(rq, rk, rv, scale, window // 2, rsink, bounds)) > 5 * errors[0]
+    print(f"rel errors out, dq, dk, dv[, dsink]: {', '.join(f'{e:.1e}' for e in errors)}")
     return errors
 
 
