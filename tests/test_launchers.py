@@ -80,3 +80,12 @@ def test_python_trl_sft_one_process(tmp_path):
     out = run([sys.executable, "examples/trl_sft.py", "--steps", "1", "--max-length", "512",
                "--output-dir", str(tmp_path)])
     assert "eval loss:" in out
+
+
+def test_torchrun_trl_dpo_two_ranks(tmp_path):
+    # TRL's DPOTrainer swapped for ulysses_lc's, sp 2 on two CPU ranks, generated pairs: the reward margin grows.
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "{port}",
+               "examples/trl_dpo.py", "--steps", "3", "--lora", "4", "--lr", "3e-3", "--output-dir", str(tmp_path)])
+    margins = [float(m) for m in out.split("reward margins:")[1].split("\n")[0].split()]
+    assert len(margins) == 3 and margins[-1] > margins[0], out[-3000:]
+    assert "eval loss:" in out

@@ -26,6 +26,8 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   yarn.py           apply_yarn: YaRN RoPE scaling in the config, before weights load
   ds_config.py      DeepSpeed config checks
   hf_trainer.py     UlyssesTrainer: the same step inside transformers' Trainer or TRL's SFTTrainer
+  trainer_engine.py the Trainer's DeepSpeed engine gets our mpu (accelerate's initialize reached, the engine checked)
+  hf_dpo.py         ulysses_trainer(DPOTrainer): TRL's DPO rows as packed pairs, its loss on SP log-probabilities
   distributed.py    init_distributed: one process-group start for deepspeed, torchrun, accelerate and plain python
 Every install_* returns a Handle whose undo() gives the model back as it was. The main job that strings them
 together (flags, checks, loop, checkpoints, export) is `ulysses_lc.train`.

@@ -4,6 +4,7 @@
     trainer = UlyssesTrainer(model=model, args=TrainingArguments(..., deepspeed=load_deepspeed_config("zero3")),
                              train_dataset=ds, data_collator=collator, sp_size=2, seq_len=131072)
     trainer = ulysses_trainer(SFTTrainer)(model=model, args=SFTConfig(..., deepspeed=...), ...)   # TRL
+    trainer = ulysses_trainer(DPOTrainer)(model=model, ref_model=ref, args=DPOConfig(...), ...)  # TRL DPO: hf_dpo.py
 
 What the subclass changes, each through the Trainer's own overridable methods:
   - the model: after the parent's __init__ (which TRL uses to prepare the model and the dataset) the HF model is
@@ -33,7 +34,6 @@ loss, compute_metrics), more than one sequence per device batch, the Trainer's g
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -46,6 +46,7 @@ from .data import pad_token_id
 from .ds_config import check_deepspeed_config
 from .distributed import init_distributed, seed_step
 from .layout import ParallelLayout
+from .trainer_engine import check_engine_mpu, deepspeed_initialize_with_mpu
 from .model import SequenceParallelCausalLM
 from .sharding import document_lengths_from_positions, shard_batch
 
@@ -107,53 +108,9 @@ class _EpochDataLoader(DataLoader):
             self.sampler.set_epoch(epoch)
 
 
-@contextlib.contextmanager
-def deepspeed_initialize_with_mpu(layout: ParallelLayout):
-    """While inside, `deepspeed.initialize` gets `layout.mpu` and a train_batch_size counted over the DP axis.
-
-    accelerate calls `deepspeed.initialize` itself and passes an mpu only on its own sequence-parallel path
-    (DeepSpeed's attention and dataloader adapter); this is the one call we need to reach. Re-entrant; the
-    original function is back on leaving.
-    """
-    import deepspeed
-
-    original = deepspeed.initialize
-    if getattr(original, "_ulysses_lc_layout", None) is not None:
-        yield
-        return
-
-    def initialize(*args, mpu=None, config=None, config_params=None, **kwargs):
-        if mpu is not None:
-            raise ValueError("deepspeed.initialize got another mpu (accelerate's sequence parallelism?); ulysses_lc "
-                             "brings its own: remove parallelism_config from the TrainingArguments.")
-        ds_config = config if config is not None else config_params
-        if isinstance(ds_config, dict):
-            ds_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
-            ds_config = check_deepspeed_config(ds_config, layout)
-        return original(*args, mpu=layout.mpu, config=ds_config, **kwargs)
-
-    initialize._ulysses_lc_layout = layout
-    deepspeed.initialize = initialize
-    try:
-        yield
-    finally:
-        deepspeed.initialize = original
-
-
-def check_engine_mpu(engine, layout: ParallelLayout) -> None:
-    """RuntimeError unless the DeepSpeed engine the Trainer trains holds `layout.mpu` (an mpu of this layout). `deepspeed_initialize_with_mpu`
-    reaches accelerate's call only because accelerate looks `deepspeed.initialize` up at call time; an engine built
-    without our mpu would reduce gradients and shard ZeRO-3 over the whole world, SP ranks included."""
-    if getattr(getattr(engine, "mpu", None), "layout", None) is not layout:  # layout.mpu makes a DeepSpeedMPU of it
-        raise RuntimeError(
-            f"the DeepSpeed engine ({type(engine).__name__}) was initialised without ulysses_lc's mpu (it holds "
-            f"{getattr(engine, 'mpu', None)!r}): gradients would be averaged over the ranks of one sequence. The "
-            "accelerate in use no longer calls deepspeed.initialize where UlyssesTrainer reaches it; report it "
-            "with the accelerate and transformers versions.")
-
-
-def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None = None) -> None:
-    """Raise ValueError, with the fix, for Trainer settings under which ulysses_lc would train wrong or not at all."""
+def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None = None, sft_loss: bool = True) -> None:
+    """Raise ValueError, with the fix, for Trainer settings under which ulysses_lc would train wrong or not at all.
+    sft_loss: the Trainer's loss is the token NLL (False for DPO, whose loss_type hf_dpo.py checks)."""
     if args is None or not getattr(args, "deepspeed", None):
         raise ValueError("ulysses_lc trains on DeepSpeed ZeRO-3: pass TrainingArguments(..., deepspeed="
                          "load_deepspeed_config('zero3')) (or SFTConfig(..., deepspeed=...)).")
@@ -176,7 +133,7 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
     if getattr(args, "label_smoothing_factor", 0):
         raise ValueError("label_smoothing_factor is applied by the Trainer to full logits, which ulysses_lc never "
                          "builds; set it to 0.")
-    if getattr(args, "loss_type", "nll") != "nll":
+    if sft_loss and getattr(args, "loss_type", "nll") != "nll":
         raise ValueError(f"loss_type={args.loss_type!r} weighs tokens by their probability from full logits; "
                          "ulysses_lc's chunked loss is the plain NLL: set loss_type='nll'.")
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
@@ -229,17 +186,19 @@ class UlyssesTrainerMixin:
                  sp_placement: str = "node", **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         model = kwargs.get("model", args[0] if args else None)
-        seq_len = seq_len or getattr(training_args, "max_length", None)
-        check_trainer_setup(training_args, model if isinstance(model, torch.nn.Module) else None, kwargs, seq_len)
+        max_length = getattr(training_args, "max_length", None)
+        seq_len = seq_len or (max_length and max_length * self._documents_per_row)
+        self._check_setup(training_args, model if isinstance(model, torch.nn.Module) else None, kwargs, seq_len)
         init_distributed()
-        super().__init__(*args, **kwargs)
+        # Before the parent's __init__, which hands a DPO reference model to DeepSpeed (hf_dpo.py wraps it first).
+        layout = ParallelLayout.build(_sp_size_from(training_args, sp_size), placement=sp_placement)
+        super().__init__(*args, **self._parent_kwargs(layout, kwargs, levers or {}))
         if not self.is_deepspeed_enabled:
             raise ValueError(_NO_DEEPSPEED)
         if self.accelerator.num_processes != torch.distributed.get_world_size():
             raise ValueError(f"accelerate sees {self.accelerator.num_processes} process(es) but torch.distributed has "
                              f"{torch.distributed.get_world_size()}: on CPU pass use_cpu=True in the TrainingArguments "
                              "(or start with accelerate launch --cpu).")
-        layout = ParallelLayout.build(_sp_size_from(self.args, sp_size), placement=sp_placement)
         if layout.rank == 0 and layout.num_nodes > 1:  # a warning where the all-to-all leaves the node: it costs
             (logger.warning if layout.sp_group_nodes > 1 else logger.info)("ulysses_lc nodes: %s", layout.placement_line())
         check_deepspeed_config({k: v for k, v in self.args.hf_deepspeed_config.config.items()
@@ -251,6 +210,23 @@ class UlyssesTrainerMixin:
         # Our loss is already each sequence's mean: the Trainer must not count or rescale tokens (module docstring).
         self.model_accepts_loss_kwargs = False
         self._planned = False
+        self._after_parent_init()
+
+    # -- what a trainer kind changes (hf_dpo.UlyssesDPOMixin): checks, the parent's arguments, the collate function --
+    _documents_per_row = 1  # documents a dataset row trains as: the default seq_len is max_length times this
+    _sft_loss = True
+
+    def _check_setup(self, args, model, kwargs, seq_len) -> None:
+        check_trainer_setup(args, model, kwargs, seq_len, sft_loss=self._sft_loss)
+
+    def _parent_kwargs(self, layout: ParallelLayout, kwargs: dict, levers: dict) -> dict:
+        return kwargs
+
+    def _after_parent_init(self) -> None:
+        pass
+
+    def _collate_fn(self, pad_token_id: int):
+        return ShardingCollator(self.data_collator, self.layout, self.model.config.vocab_size, pad_token_id)
 
     # -- DeepSpeed gets our mpu wherever the Trainer may initialise it --
     def train(self, *args, **kwargs):
@@ -276,7 +252,7 @@ class UlyssesTrainerMixin:
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description=description)
         tokenizer = getattr(self, "processing_class", None)
-        collate = ShardingCollator(self.data_collator, self.layout, self.model.config.vocab_size, pad_token_id(tokenizer))
+        collate = self._collate_fn(pad_token_id(tokenizer))
         params = dict(batch_size=1, collate_fn=collate, num_workers=self.args.dataloader_num_workers,
                       pin_memory=self.args.dataloader_pin_memory)
         if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -354,9 +330,14 @@ class UlyssesTrainerMixin:
 
 @functools.lru_cache(maxsize=None)
 def ulysses_trainer(trainer_cls: type) -> type:
-    """A subclass of `trainer_cls` (transformers.Trainer, trl.SFTTrainer, or a subclass of either) that trains with
-    ulysses_lc. Its constructor takes the parent's arguments plus sp_size, seq_len and levers."""
-    return type(f"Ulysses{trainer_cls.__name__}", (UlyssesTrainerMixin, trainer_cls), {})
+    """A subclass of `trainer_cls` (transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer, or a subclass of one) that
+    trains with ulysses_lc. Its constructor takes the parent's arguments plus sp_size, seq_len and levers."""
+    bases = (UlyssesTrainerMixin, trainer_cls)
+    if any(c.__name__ == "DPOTrainer" and c.__module__.startswith("trl.") for c in trainer_cls.__mro__):
+        from .hf_dpo import UlyssesDPOMixin
+
+        bases = (UlyssesDPOMixin, *bases)
+    return type(f"Ulysses{trainer_cls.__name__}", bases, {})
 
 
 def __getattr__(name: str):
@@ -369,6 +350,10 @@ def __getattr__(name: str):
         from trl import SFTTrainer
 
         return ulysses_trainer(SFTTrainer)
+    if name == "UlyssesDPOTrainer":
+        from trl import DPOTrainer
+
+        return ulysses_trainer(DPOTrainer)
     raise AttributeError(name)
 
 

@@ -136,14 +136,31 @@ def _torch_conv(x_bsc, weight_ck, bias_c, bounds):
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _torch_rule(module, q, k, v, g, beta, bounds):
-    """transformers' own chunked gated delta rule (the layer's modeling module's torch function), per document."""
+# Tokens of one call of transformers' torch rule (a multiple of its 64-token chunk): longer runs go through it in
+# segments, each starting from the last one's state. Its chunk loop writes each chunk's output into one preallocated
+# tensor, whose backward copies the whole gradient once per chunk: O(T^2) traffic. Measured on an H200 at 262,144
+# tokens (Qwen3_5TextConfig's 32 value heads of 128, benchmarks/bench_deltanet.py, 2026-12-01): 0.89 s forward,
+# 81.6 s forward + backward in one call. Segments bound that to T x (segment / 64) and keep the 64-token chunks
+# where one call puts them, so each chunk's numbers are the same ops on the same values.
+TORCH_SEGMENT_TOKENS = 1024
+
+
+def _torch_rule(module, q, k, v, g, beta, bounds, segment: int = TORCH_SEGMENT_TOKENS):
+    """transformers' own chunked gated delta rule (the layer's modeling module's torch function), per document, in
+    segments of `segment` tokens carrying the recurrent state from one to the next."""
     fn = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
     fn = getattr(fn, "__wrapped__", fn)  # transformers puts fla's kernel behind it where fla is installed
     if q.shape[2] != v.shape[2]:  # grouped value heads (5.17 repeats in the layer, 5.24 in the function)
         q, k = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in (q, k))
-    outs = [fn(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], use_qk_l2norm_in_kernel=True)[0]
-            for a, b in _segments(bounds, q.shape[1])]
+    outs = []
+    for a, b in _segments(bounds, q.shape[1]):
+        state = None
+        for start in range(a, b, segment):
+            end = min(start + segment, b)
+            out, state = fn(q[:, start:end], k[:, start:end], v[:, start:end], g=g[:, start:end],
+                            beta=beta[:, start:end], initial_state=state, output_final_state=end < b,
+                            use_qk_l2norm_in_kernel=True)
+            outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -185,6 +202,31 @@ class GatedDeltaNetMixer:
         self.widths = (hk_local * dk, hk_local * dk, hv_local * dv)
         self.dims = (dk, dv)
 
+    def mix(self, module, q, k, v, b, a, bounds=None):
+        """The layer between the exchanges, on this rank's heads over the whole sequence: q, k [b, s, hk_local, dk],
+        v [b, s, hv_local, dv], b, a [b, s, hv_local] -> the recurrence's output [b, s, hv_local, dv]: the causal
+        conv + SiLU over q, k, v (this rank's channels of the conv weight), the gates, the gated delta rule; both
+        restart at each document's start (`bounds`, the whole sequence's)."""
+        channels = self.channels.to(q.device)
+        weight_ck = module.conv1d.weight.squeeze(1).index_select(0, channels)
+        bias_c = None if module.conv1d.bias is None else module.conv1d.bias.index_select(0, channels)
+        heads = self.value_heads.to(q.device)
+        beta = b.sigmoid()
+        g = -module.A_log.index_select(0, heads).float().exp() * F.softplus(
+            a.float() + module.dt_bias.index_select(0, heads))
+        x_bsc = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+        dk, dv = self.dims
+
+        def split(y_bsc):
+            yq, yk, yv = y_bsc.split(self.widths, dim=-1)
+            return (yq.unflatten(-1, (-1, dk)).contiguous(), yk.unflatten(-1, (-1, dk)).contiguous(),
+                    yv.unflatten(-1, (-1, dv)).contiguous())
+
+        if self.kernel == "fla" and x_bsc.is_cuda:
+            return _fla_conv_rule(x_bsc, weight_ck, bias_c, split, g, beta, bounds)
+        yq, yk, yv = split(_torch_conv(x_bsc, weight_ck, bias_c, bounds))
+        return _torch_rule(module, yq, yk, yv, g, beta, bounds)
+
     def projections(self, module, x_bse):
         """q, k [b, s_local, hk, dk], v, z [b, s_local, hv, dv], b, a [b, s_local, hv] before the convolution."""
         if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: q, k, v, z and b, a interleaved per key head
@@ -198,6 +240,7 @@ class GatedDeltaNetMixer:
                 module.in_proj_a(x_bse))
 
     def __call__(self, module, hidden_states, cache=None, attention_mask=None, document_bounds=None, **kwargs):
+        cache = cache if cache is not None else kwargs.pop("cache_params", None)  # transformers 5.17's name
         if cache is not None or attention_mask is not None:
             if self.layout.sp_size == 1:  # generation, or a padding mask: the layer's own forward
                 return module._ulysses_original_forward(hidden_states, cache, attention_mask, **kwargs)
@@ -207,28 +250,10 @@ class GatedDeltaNetMixer:
         if self.key_copies > 1:  # fewer key heads than ranks: each rank receives the one its value heads read
             q, k = (x.repeat_interleave(self.key_copies, dim=2) for x in (q, k))
         q, k, v, b, a = bshd_seq_to_heads([q, k, v, b.unsqueeze(-1), a.unsqueeze(-1)], self.layout)
-        bsz, s = q.shape[:2]
-        channels = self.channels.to(q.device)
-        weight_ck = module.conv1d.weight.squeeze(1).index_select(0, channels)
-        bias_c = None if module.conv1d.bias is None else module.conv1d.bias.index_select(0, channels)
-        heads = self.value_heads.to(q.device)
-        beta = b.squeeze(-1).sigmoid()
-        g = -module.A_log.index_select(0, heads).float().exp() * F.softplus(
-            a.squeeze(-1).float() + module.dt_bias.index_select(0, heads))
-        x_bsc = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
-        dk, dv = self.dims
-
-        def split(y_bsc):
-            yq, yk, yv = y_bsc.split(self.widths, dim=-1)
-            return yq.unflatten(-1, (-1, dk)), yk.unflatten(-1, (-1, dk)), yv.unflatten(-1, (-1, dv))
-
-        if self.kernel == "fla" and x_bsc.is_cuda:
-            out_bshd = _fla_conv_rule(x_bsc, weight_ck, bias_c, split, g, beta, document_bounds)
-        else:
-            yq, yk, yv = split(_torch_conv(x_bsc, weight_ck, bias_c, document_bounds))
-            out_bshd = _torch_rule(module, yq, yk, yv, g, beta, document_bounds)
+        out_bshd = self.mix(module, q, k, v, b.squeeze(-1), a.squeeze(-1), document_bounds)
         out_bshd = bshd_heads_to_seq(out_bshd, self.layout)
         # The gated RMSNorm per (token, head) and the output projection, on this rank's slice.
+        dv = self.dims[1]
         normed = module.norm(out_bshd.reshape(-1, dv), z.reshape(-1, dv))
         return module.out_proj(normed.reshape(*out_bshd.shape[:2], -1))
 
