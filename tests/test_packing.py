@@ -199,3 +199,23 @@ def test_a_layer_that_drops_the_borders_is_refused(monkeypatch):
         model(**batch.as_kwargs())
     unpacked = shard_batch(torch.cat(_documents()), layout)
     model(**unpacked.as_kwargs())  # unpacked: nothing to deliver, nothing refused
+
+
+def test_a_gated_deltanet_layer_that_drops_the_borders_is_refused(monkeypatch):
+    """The same guard on the linear-attention layers (Qwen3.5): their conv and recurrence restart at the borders only
+    if the borders reach them."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    model = SequenceParallelCausalLM(build("qwen3_5"), layout, checkpointing=False, offload=False)
+    batch = shard_batch(torch.cat(_documents()), layout, document_lengths=LENGTHS)
+    model(**batch.as_kwargs())
+    forward = Qwen3_5DecoderLayer.forward
+
+    def dropping(self, hidden_states, *args, **kwargs):
+        kwargs.pop("document_bounds", None)
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen3_5DecoderLayer, "forward", dropping)
+    with pytest.raises(ValueError, match=r"\(Qwen3_5GatedDeltaNet\) got no document borders"):
+        model(**batch.as_kwargs())

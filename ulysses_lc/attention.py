@@ -35,6 +35,7 @@ from .layout import ParallelLayout, check_heads
 from .linear_attention import LINEAR_MODEL_TYPES, check_linear_heads, install_linear_attention
 from .recompute import LayerRun, RecomputeContext
 from .shape import ModelShape, text_config
+from .sharding import check_document_bounds
 from .window_attention import window_attention
 
 logger = logging.getLogger(__name__)
@@ -128,12 +129,7 @@ class UlyssesAttention:
                  **kwargs):
         if attention_mask is not None:
             raise ValueError(_MASK_REFUSED)
-        if self.expected_bounds is not None and document_bounds != self.expected_bounds:
-            raise ValueError(
-                f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) got no document borders though "
-                "the batch is packed: this model's layers do not pass their keyword arguments on to the attention "
-                "function, so the packed documents would attend to each other. Train it unpacked (without --packing, "
-                "no cu_seqlens): one stream of text per sequence.")
+        check_document_bounds(self.expected_bounds, document_bounds, module)
         if kwargs.get("softcap") is not None:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
                              f"(softcap={kwargs['softcap']}), which no kernel here computes at any sp; train this model "
@@ -240,7 +236,7 @@ class UlyssesAttention:
                     f"{shape.kv_heads} kv heads over sp_size {sp} = {local_kv}; pick a divisor of "
                     f"{local_kv}, or head_groups='auto'."
                 )
-        linear = install_linear_attention(model, self.layout)
+        linear = install_linear_attention(model, self.layout, borders=self)
         self.register()
         previous = model.config._attn_implementation
         _set_attn(model, self.name)
