@@ -6,7 +6,8 @@ the full causal cuDNN kernel at the same length and heads; then whole training s
     python benchmarks/bench_window.py --only kernels --out $OUT
     python benchmarks/bench_window.py --smoke --out /tmp/w       # CPU, tiny sizes: every path end to end
 
-FLOPs (ANCHORS.md's convention): a causal forward is 2 T^2 h d, a windowed one 4 h d (T w - w^2 / 2)
+FLOPs (FlashAttention's benchmark convention, github.com/Dao-AILab/flash-attention benchmarks/
+benchmark_flash_attention.py: 4 T^2 h d halved for causal, backward 2.5x the forward): a causal forward is 2 T^2 h d, a windowed one 4 h d (T w - w^2 / 2)
 (ModelShape.attention_pairs: the pairs the window needs, not what a kernel computes); fwd+bwd is 3.5x the forward.
 rate_vs_causal = the candidate's TF/s on its own FLOPs / the full causal cuDNN kernel's TF/s (target >= 0.7).
 Candidates (ulysses_lc.window_attention unless said): band_cudnn (two batched cuDNN causal calls over the band),
@@ -200,7 +201,6 @@ def run_step(spec):
     from bench_step import _init_dist, random_tokens, setup_ours, setup_stock
 
     from ulysses_lc import ParallelLayout
-    from ulysses_lc.memory import plan_step_memory
     from ulysses_lc.metrics import model_flops_per_step
 
     rec = dict(spec, status="error")
@@ -225,7 +225,8 @@ def run_step(spec):
 
         step(random_tokens(min(seq, spec.get("warmup", seq)), vocab))
         if spec["kind"] == "ours" and device.type == "cuda":
-            module.use_plan(plan_step_memory(module.shape, seq, layout, device, kernel=module.attention.kernel))
+            # The optimizer state exists after the warm-up step: nothing left to reserve.
+            module.use_plan(module.plan_step(seq, device, reserved_bytes=0))
             rec["plan"] = list(module.plan.counts)
         if device.type == "cuda":
             torch.cuda.synchronize()

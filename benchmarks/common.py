@@ -85,8 +85,9 @@ def random_tokens(seq_len: int, vocab: int, seed: int = 1) -> torch.Tensor:
 
 
 def warmup_tokens(spec: dict) -> int:
-    """The warm-up step's length: the variant's own ("full"), or 8k ("short": the timed step then also pays
-    that length's first-time costs, used where one step takes minutes)."""
+    """The first warm-up step's length: the variant's own ("full"), or 8k ("short": the timed step then also pays
+    that length's first-time costs, used where one step takes minutes; "steady": 8k, then, after the plan, one more
+    untimed step at full length, so the timed step is a steady one)."""
     return spec["seq"] if spec.get("warmup", "full") == "full" else min(SHORT_WARMUP_TOKENS, spec["seq"])
 
 

@@ -39,8 +39,10 @@ def node_command(launcher: str, node_rank: int, nnodes: int, nproc_per_node: int
 
 
 def start_nodes(entry: list[str], cwds: list[Path], *, nproc_per_node: int = 2, launcher: str = "torchrun",
-                env: dict | None = None, port: int | None = None) -> list[subprocess.Popen]:
-    """Start one launcher per folder in `cwds` (node n runs in cwds[n]); output is piped, stderr into stdout."""
+                env: dict | None = None, port: int | None = None,
+                node_args: list[list[str]] | None = None) -> list[subprocess.Popen]:
+    """Start one launcher per folder in `cwds` (node n runs in cwds[n], with node_args[n] after `entry` where given);
+    output is piped, stderr into stdout."""
     nnodes = len(cwds)
     port = port or _free_port()
     if launcher == "srun":
@@ -55,7 +57,8 @@ def start_nodes(entry: list[str], cwds: list[Path], *, nproc_per_node: int = 2, 
     procs = []
     for node_rank, cwd in enumerate(cwds):
         Path(cwd).mkdir(parents=True, exist_ok=True)
-        cmd = [*node_command(launcher, node_rank, nnodes, nproc_per_node, port, hostfile), *entry]
+        cmd = [*node_command(launcher, node_rank, nnodes, nproc_per_node, port, hostfile), *entry,
+               *(node_args[node_rank] if node_args else [])]
         procs.append(subprocess.Popen(cmd, cwd=cwd, env=node_env(env), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs

@@ -5,7 +5,11 @@ for imports alone, so one in-process run covers the cases that need no launcher,
 several things.
 """
 
+import json
 import os
+import re
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,3 +47,165 @@ def test_an_edit_that_keeps_size_and_mtime_is_noticed_on_resume(tmp_path):
             stream(cache).load_state_dict(saved)
     fresh = stream("cache")
     assert not np.array_equal(fresh.tokens, checkpoint.tokens)  # the old cache's stale tokens are not reused
+
+
+# -- flags on resume (issue 30) -------------------------------------------------------------------------------
+
+def _resume_worker(rank, world_size, tmp):
+    import logging
+    import math
+    from dataclasses import replace
+
+    from tests.test_training import train_worker
+    from ulysses_lc.train import NonFiniteError, TrainConfig, parse_args
+
+    os.chdir(tmp)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ulysses_lc.train.loop").addHandler(handler)
+    logging.getLogger("ulysses_lc.train.loop").setLevel(logging.INFO)
+    base = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=1, cache_dir="cache",
+                       export=False, output_dir="full")
+    result = {}
+    try:
+        result["full"] = train_worker(rank, world_size, base)
+        # Killed after step 3 (checkpoint at 2), resumed from the command line with more steps and nothing else.
+        killed = replace(base, output_dir="longer", save_every=2)
+        train_worker(rank, world_size, killed, 3)
+        result["killed_lrs"] = [json.loads(line)["lr"] for line in open("longer/metrics.jsonl")]
+        longer = parse_args(["--resume", "--output-dir", "longer", "--steps", "8"])
+        result["longer"] = train_worker(rank, world_size, longer)
+        # A resume with lr inf: the step-3 update leaves inf in the weights, which no checkpoint may hold.
+        train_worker(rank, world_size, replace(base, output_dir="div"), 2)
+        try:
+            train_worker(rank, world_size, replace(base, output_dir="div", resume=True, lr=math.inf))
+        except NonFiniteError as e:
+            result["nonfinite"] = str(e)
+        result["div_latest"] = open("div/checkpoints/latest").read()
+        result["recovered"] = train_worker(rank, world_size, replace(base, output_dir="div", resume=True))
+    finally:
+        logging.getLogger("ulysses_lc.train.loop").removeHandler(handler)
+    result["lines"] = lines
+    return result
+
+
+def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_path):
+    from tests._dist import run_shared
+    from tests.test_training import losses_of
+
+    result = run_shared(_resume_worker, 2, str(tmp_path), kind="deepspeed")[0]
+    text = "\n".join(result["lines"])
+    # A longer run: the settings not named (seq_len 256, save_every 2, the cache) are the saved run's; the cosine
+    # decay continues from the lr it had, with no jump, and says so.
+    assert "--steps 4 -> 8: the cosine decay continues from" in text and "(no jump)" in text, text
+    lrs = [r["lr"] for r in result["longer"]]
+    assert len(lrs) == 6 and lrs[0] < result["killed_lrs"][1], (result["killed_lrs"], lrs)  # from step 2's lr, down
+    assert all(b <= a for a, b in zip(lrs, lrs[1:])), lrs
+    assert abs(lrs[-1] - 0.1 * 3e-3) < 1e-12, lrs  # the floor (min_lr_ratio 0.1) at the new last step
+    metrics = [json.loads(line) for line in (tmp_path / "longer" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 9))  # step 3 of the killed run replaced, not repeated
+    run = json.loads((tmp_path / "longer" / "run.json").read_text())
+    assert run["steps"] == 8 and run["seq_len"] == 256
+    assert [(r["step"], r["changed"]) for r in run["resumes"]] == [(2, {"steps": [4, 8]})]
+    # A new --lr applies (inf: the run stops at once), and the state it made is never saved nor named as good.
+    message = result.get("nonfinite")
+    assert message is not None, "the resumed --lr inf was ignored"
+    assert "--lr 0.003 -> inf on resume" in text
+    assert "step 3:" in message and "Last good checkpoint: div/checkpoints/step2." in message, message
+    assert result["div_latest"] == "step2"
+    # The named checkpoint with a lower lr goes on, on the uninterrupted run's trajectory.
+    np.testing.assert_allclose(losses_of(result["recovered"]), losses_of(result["full"])[2:], rtol=1e-6)
+
+
+def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path):
+    from ulysses_lc.train import parse_args
+    from ulysses_lc.train.preflight import CheckFailed, preflight
+    from ulysses_lc.train.resume import _classified
+
+    _classified()  # every TrainConfig field has a rule on resume
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step2")
+    (run / "run.json").write_text(json.dumps({"model": "tiny", "data": "tiny", "seq_len": 512, "lora_r": 4,
+                                              "lora_targets": "q_proj", "lr": 1e-3, "save_every": 2,
+                                              "export_merged": False, "warmup_steps": 1}))
+    resume = ["--resume", "--output-dir", str(run)]
+    cfg = parse_args([*resume, "--export-merged"])  # LoRA's flags not repeated: the saved run's
+    from ulysses_lc.train.resume import resolve
+
+    resolved, changed = resolve(cfg, run)
+    assert (resolved.lora_r, resolved.lora_targets, resolved.seq_len, resolved.lr) == (4, "q_proj", 512, 1e-3)
+    assert changed == {"export_merged": (False, True)}
+    for flags, fragment in [(["--lora-r", "0"], "lora_r=4, not 0"), (["--seq-len", "1024"], "seq_len=512, not 1024"),
+                            (["--warmup-steps", "3"], "change --lr or --steps instead")]:
+        with pytest.raises(CheckFailed, match=re.escape(fragment)):
+            preflight(parse_args([*resume, *flags]), 1)
+    with pytest.raises(ValueError, match=r"--lora-r 0: give the adapters' rank, >= 1"):
+        parse_args(["--lora-r", "0"]).check()
+    with pytest.raises(ValueError, match=r"^--export-merged only applies to LoRA adapters; add --lora-r"):
+        parse_args(["--export-merged"]).check()
+
+
+# -- verified checkpoints (issue 30) --------------------------------------------------------------------------
+
+def _damaged_worker(rank, world_size, tmp):
+    import logging
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from tests.test_training import train_worker
+    from ulysses_lc.train import TrainConfig
+
+    os.chdir(tmp)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("ulysses_lc.train")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=2, keep_checkpoints=0,
+                      cache_dir="cache", export=False, output_dir="run")
+    result = {}
+    try:
+        result["full"] = train_worker(rank, world_size, cfg)
+        step4 = Path("run/checkpoints/step4")
+        result["manifest"] = json.loads((step4 / "manifest.json").read_text())["files"]
+        for case in ("truncated", "zeroed"):
+            lines.clear()
+            if rank == 0:
+                if case == "truncated":  # a model file cut short (a copy or save interrupted)
+                    path = step4 / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+                    os.truncate(path, path.stat().st_size // 2)
+                else:  # 4 KB zeroed inside rank 1's optimizer file: the same size, and torch.load reads it silently
+                    (path,) = step4.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+                    with open(path, "r+b") as f:
+                        f.seek(path.stat().st_size // 2)
+                        f.write(bytes(4096))
+            dist.barrier()
+            result[case] = train_worker(rank, world_size, replace(cfg, resume=True))
+            result[f"{case}_lines"] = list(lines)
+    finally:
+        log.removeHandler(handler)
+    return result
+
+
+def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_resumes(tmp_path):
+    from tests._dist import run_shared
+    from tests.test_training import losses_of
+
+    result = run_shared(_damaged_worker, 2, str(tmp_path), kind="deepspeed")[0]
+    files = result["manifest"]
+    assert {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"} <= set(files)
+    assert all(len(e["crc32"]) == 8 and e["bytes"] > 0 for e in files.values())
+    for case, fragment in [("truncated", r"zero_pp_rank_0_mp_rank_00_model_states\.pt: [\d,]+ bytes, the manifest "
+                                         r"says [\d,]+ \(cut short"),
+                           ("zeroed", r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: CRC-32 [0-9a-f]{8}, the manifest "
+                                      r"says [0-9a-f]{8}")]:
+        text = "\n".join(result[f"{case}_lines"])
+        assert "resuming from step2, the newest checkpoint whose files check against its manifest; step4 is " \
+               "damaged:" in text, text
+        assert re.search(fragment, text), text
+        # From step 2, steps 3 and 4 again: the uninterrupted run's (and step 4 saved anew).
+        np.testing.assert_allclose(losses_of(result[case]), losses_of(result["full"])[2:], rtol=1e-6)

@@ -38,3 +38,85 @@ def test_offline_hub_dataset_is_refused_naming_data(monkeypatch, fresh_probe):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckFailed, match="--data tiny"):
         preflight(parse_args(["--model", "tiny", "--data", "someorg/somedata"]), 1)
+
+
+# -- a laptop sizing a GPU node ----------------------------------------------------------------------------------
+
+def test_dry_run_of_a_gpu_node_from_a_laptop_says_its_host_default_and_host_refusals_name_the_flag(monkeypatch):
+    import torch
+
+    from ulysses_lc.train import TrainConfig, dry_run
+    from ulysses_lc.train.estimate import GPU_NODE_HOST_GB, DoesNotFit
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a laptop, wherever the test runs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=65536, dry_run=True, world_size=8, sp_size=4)
+    limits = next(line for line in dry_run(cfg).splitlines() if line.strip().startswith("limits"))
+    # Not this machine's memory over 8 ranks: a GPU node's stated share, with the flag that sets it.
+    assert f"{GPU_NODE_HOST_GB:.0f} GB host per rank (a GPU node's default" in limits, limits
+    assert "this machine's" not in limits and "--host-memory-gb" in limits, limits
+    # Host binds: the refusal names --host-memory-gb with the figure this plan needs.
+    with pytest.raises(DoesNotFit) as e:
+        dry_run(TrainConfig(model="tiny", data="tiny", seq_len=65536, dry_run=True, world_size=8, sp_size=4, host_memory_gb=3.0))
+    assert "host over by" in str(e.value) and "\n  --host-memory-gb " in str(e.value), str(e.value)
+
+
+# -- one plan -------------------------------------------------------------------------------------------------
+
+def plan_line_worker(rank, world_size, cfg):
+    import logging
+
+    from ulysses_lc.train import train
+
+    lines = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("ulysses_lc.train.loop")
+    grab, level = Grab(), log.level
+    log.addHandler(grab)
+    log.setLevel(logging.INFO)
+    try:
+        train(cfg)
+    finally:
+        log.removeHandler(grab)
+        log.setLevel(level)
+    return [line.strip() for text in lines for line in text.splitlines() if line.strip().startswith(("plan ", "node "))]
+
+
+def test_dry_run_plan_line_is_the_jobs(tmp_path):
+    """Limits that make the plan matter (one layer offloaded, one kept on the device): the job on 2 CPU ranks prints
+    the plan line its dry run printed, from the same Job.plan and inputs."""
+    from dataclasses import replace
+
+    from tests._dist import run_shared
+    from ulysses_lc.train import TrainConfig, dry_run
+
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=16384, steps=1, lr=3e-3, export=False, world_size=2,
+                      gpu_memory_gb=3.262, host_memory_gb=10, output_dir=str(tmp_path / "run"),
+                      cache_dir=str(tmp_path / "cache"))
+    planned = [line.strip() for line in dry_run(replace(cfg, dry_run=True)).splitlines()
+               if line.strip().startswith("plan ")]
+    assert "1 offloaded to host, 1 kept on gpu" in planned[0], planned  # the limits matter
+    job = run_shared(plan_line_worker, 2, replace(cfg, world_size=None), kind="deepspeed")[0]
+    assert job[0] == planned[0], (job, planned)
+    assert job[1].startswith("node ") and "the launcher's" in job[1] and "beside it at the start" in job[1], job
+
+
+# -- no silent override across nodes ---------------------------------------------------------------------------
+
+def test_two_nodes_given_different_output_dirs_are_refused_naming_both(tmp_path):
+    from tests._nodes import launch_nodes
+
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    results = launch_nodes(["-m", "ulysses_lc.train", "--steps", "1", "--seq-len", "512", "--no-export"], cwds,
+                           nproc_per_node=1, node_args=[["--output-dir", "run-a"], ["--output-dir", "run-b"]])
+    for rc, out, _ in results:
+        assert rc != 0, out[-3000:]
+    out0 = results[0][1]
+    assert "--output-dir differs between ranks" in out0, out0[-3000:]
+    assert "'run-a' on rank 0 (node 0)" in out0 and "'run-b' on rank 1 (node 1)" in out0, out0[-3000:]
+    # Refused before anything was written, on either node.
+    assert not any((cwd / name).exists() for cwd in cwds for name in ("run-a", "run-b", "runs")), list(cwds[0].iterdir())

@@ -130,7 +130,7 @@ def planning_worker(rank, world, out, levers_list):
             room = room_for_one_input(wrapper.shape, seq)
             memory.measure_free_memory = lambda device, layout: (room, 1 << 40)
             trainer._plan_memory(seq)
-            results.append((wrapper.plan, wrapper.checkpointing.offload))
+            results.append((wrapper.plan, wrapper.checkpointing.offload, trainer.startup_block))
     finally:
         model_mod.plan_step_memory, memory.measure_free_memory = real, measure
     return results
@@ -138,7 +138,10 @@ def planning_worker(rank, world, out, levers_list):
 
 def test_trainer_plans_no_host_offload_when_its_levers_turn_offload_off(tmp_path):
     (off, on), = run_shared(planning_worker, 1, str(tmp_path), [{"offload": False}, {}], kind="trainer")
-    (plan, offload), (plan_on, offload_on) = off, on
+    (plan, offload, _), (plan_on, offload_on, block) = off, on
+    # One start-up block, as the main job's: layout and sp, the length, the plan it chose (issue 31).
+    assert block.startswith("ulysses_lc trainer") and "layout    1 rank = sp 1" in block, block
+    assert f"length    {1 << 20:,} tokens per step" in block and f"plan      {plan_on.describe(2)}" in block, block
     assert not offload and plan.recompute_layers > 0 and plan.keep_on_gpu == plan.recompute_layers, plan
     assert offload_on and plan_on.keep_on_gpu < plan_on.recompute_layers, plan_on  # the same memory, offloading
 

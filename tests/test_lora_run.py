@@ -13,6 +13,7 @@ import torch
 from tests._dist import run_distributed
 from tests.test_training import losses_of, tiny_config, train_worker
 from ulysses_lc.tiny import tiny_model_config
+from ulysses_lc.train import parse_args
 
 pytest.importorskip("peft")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,9 +47,11 @@ def test_lora_run_resumes_its_trajectory_and_exports_the_adapter(tmp_path):
     assert losses[-1] < losses[0], losses
     assert json.loads((run / "run.json").read_text())["lora_r"] == 4
 
-    # A crash after step 2's checkpoint: `latest` back on step 2, then --resume replays steps 3 and 4.
+    # A crash after step 2's checkpoint: `latest` back on step 2, then --resume replays steps 3 and 4. From the
+    # command line without repeating a flag: --model, --lora-r and the rest are the saved run's.
     (run / "checkpoints" / "latest").write_text("step2")
-    resumed = losses_of(run_distributed(train_worker, 2, replace(cfg, resume=True, export=False))[0])
+    again = parse_args(["--resume", "--output-dir", str(run), "--no-export"])
+    resumed = losses_of(run_distributed(train_worker, 2, again)[0])
     np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
     # The frozen base is not in the checkpoints (it reloads from --model); the adapters and their moments are.
     (states,) = (run / "checkpoints" / "step2").glob("zero_pp_rank_0_*model_states.pt")

@@ -21,7 +21,7 @@ from ulysses_lc.sizing import Job
 POINTS = json.loads((Path(__file__).parent / "data" / "h200_peaks.json").read_text())["points"]
 WITHIN = 0.10
 HOST_SPREAD = 1.3e9  # the host process alone: 1.75-2.92 GB measured, so a constant that covers the largest is this far above the smallest
-SHAPES = {  # public configs (ANCHORS.md "Shapes"), written here: no downloads
+SHAPES = {  # public configs (huggingface.co/Qwen/Qwen3-{0.6B,4B,8B,32B}, config.json), written here: no downloads
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, tie_word_embeddings=True),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
@@ -74,7 +74,8 @@ def predict_point(point: dict) -> tuple[float, float]:
                                  {"zero_optimization": {"stage": 3}}, head_groups=point["head_groups"],
                                  packed=point["packed"])
         predicted = job.predict(point["seq"], plan)
-        return predicted.gpu, predicted.host
+        # The measurement is the rank's own RSS: the launcher, a process of its own, is counted in the node's figure.
+        return predicted.gpu, predicted.host - predicted.launcher_host
     # bench_step: its measured static (bf16 weights, AdamW's bf16 moments) and bf16 gradients; no ZeRO-3.
     act, pinned = memory.plan_bytes(shape, point["seq"], plan, sp_size=point["sp"], head_groups=point["head_groups"],
                                     packed=point["packed"])

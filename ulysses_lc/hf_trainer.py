@@ -308,8 +308,11 @@ class UlyssesTrainerMixin:
         wrapper.probe_attention(device, next(wrapper.parameters()).dtype)  # the plan for the kernel actually used
         wrapper.use_plan(wrapper.plan_step(int(longest), device, packed=packed))
         self._planned = True
+        # One start-up block, as the main job prints one (train/console.py), once the first batch fixed the length.
+        self.startup_block = "\n".join(["ulysses_lc trainer"] + ["  " + line for line in wrapper.summary(
+            int(longest), device, length_note="the longest any rank trains")])
         if self.layout.rank == 0:
-            logger.info("ulysses_lc memory plan for %d tokens: %s", int(longest), wrapper.checkpointing.report())
+            logger.info("%s", self.startup_block)
 
     # -- saving: a plain Hugging Face model folder --
     def _save(self, output_dir: str | None = None, state_dict=None):

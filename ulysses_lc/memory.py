@@ -251,22 +251,29 @@ def plan_step_memory(
 ) -> MemoryPlan:
     """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
     allocated (`optimizer_reserved_bytes` before the first step), ZeRO-3's gathered weights during the step and
-    NCCL's and cuDNN's memory still to come. Collective on CUDA. Without CUDA: every layer checkpointed and
-    offloaded, attention outputs kept where the kernel allows (on a CPU that only exercises the paths). packed: the
-    steps train packed documents (`attention_policy`). budget: (device, host) bytes the plan may use by the dry
-    run's arithmetic for the run's limits (sizing.Job.budget, --host-memory-gb); the smaller of each and what is
-    free wins, so the run's plan is never larger than the dry run's. Drivers call it through
+    NCCL's and cuDNN's memory still to come. Collective on CUDA. packed: the steps train packed documents
+    (`attention_policy`).
+
+    budget: (device, host) bytes the plan may use by the dry run's arithmetic for the run's limits (sizing.Job.budget:
+    --gpu-memory-gb, --host-memory-gb): the plan is the dry run's, `plan_memory` within it, unless less device memory
+    is free now (another process on the GPU), which then wins. Host memory is the budget's (the limit per rank is
+    the node's share, the node's launcher counted), not what is free at this moment. Without CUDA the budget plans as
+    on a GPU of that size; without budget and CUDA every layer is checkpointed and offloaded, attention outputs kept
+    where the kernel allows (on a CPU that only exercises the paths). Drivers call it through
     `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload, and
     whether its start-up probe found an explicit kernel (`attention_policy`'s explicit_ok)."""
     keep_attention, groups = attention_policy(shape, kernel, head_groups, packed, explicit_ok)
-    if device.type != "cuda":
+    if device.type != "cuda" and budget is None:
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
-    device_free, host_free = measure_free_memory(device, layout)
-    device_free -= (reserved_bytes + LATER_CONTEXT_BYTES
-                    + zero3_working_bytes(shape.largest_module_params) * (1 + ALLOCATOR_SLACK))
-    host_free *= HOST_HEADROOM
+    if device.type == "cuda":
+        device_free, host_free = measure_free_memory(device, layout)
+        device_free -= (reserved_bytes + LATER_CONTEXT_BYTES
+                        + zero3_working_bytes(shape.largest_module_params) * (1 + ALLOCATOR_SLACK))
+        host_free *= HOST_HEADROOM
+    else:
+        device_free = host_free = float("inf")
     if budget is not None:
-        device_free, host_free = min(device_free, budget[0]), min(host_free, budget[1])
+        device_free, host_free = min(device_free, budget[0]), budget[1]
     return plan_memory(
         shape, seq_len, device_free, sp_size=layout.sp_size, host_free_bytes=max(host_free, 0),
         offload=offload, keep_attention=keep_attention, head_groups=groups, packed=packed,

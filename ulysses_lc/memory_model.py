@@ -52,6 +52,10 @@ CONTEXT_BYTES = 2 * 10**9
 # 1.8-2.9 GB measured over the main job, the Trainer path and the benchmarks on the 0.6B and 8B shapes (2.9 GB:
 # the peak RSS of the memory ladder's 0.6B run at 64k, one H200, 2026-12-01).
 HOST_PROCESS_BYTES = int(3.0e9)
+# The launcher's processes on each node, shared by its ranks: DeepSpeed's runner and its per-node launch.py, 0.25 GB
+# RSS each, torchrun's agent 0.23 GB (measured on a CPU machine, 2026-12-01: they import torch but no CUDA), rounded
+# up to 1 GB per node.
+LAUNCHER_BYTES = 10**9
 # A pinned buffer is rounded up to whole pages (host_pool.py).
 PAGE_BYTES = 4096
 # The planner leaves a tenth of the host memory it is given to the rest of the node (page cache, the OS).
@@ -120,5 +124,5 @@ def zero3_working_bytes(largest_module_params: int) -> int:
     return 2 * 2 * largest_module_params
 
 
-__all__ = ["ALLOCATOR_SLACK", "CONTEXT_BYTES", "HOST_HEADROOM", "HOST_PROCESS_BYTES", "StepTerms",
+__all__ = ["ALLOCATOR_SLACK", "CONTEXT_BYTES", "HOST_HEADROOM", "HOST_PROCESS_BYTES", "LAUNCHER_BYTES", "StepTerms",
            "zero3_working_bytes"]

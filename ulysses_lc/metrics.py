@@ -147,6 +147,14 @@ def _fmt(value, spec: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line cut short (a kill mid-write)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return None
+
+
 class StepLogger:
     """Per-step log: one human line (rank 0), one JSON line in `metrics.jsonl`, a tqdm bar, TensorBoard.
 
@@ -189,6 +197,8 @@ class StepLogger:
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if start_step and self.jsonl_path.is_file():
+            self._drop_after(start_step)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -263,6 +273,16 @@ class StepLogger:
             self._tb.flush()
         return record
 
+    def _drop_after(self, step: int) -> None:
+        """A resumed run replays the steps after its checkpoint: the lines a killed run wrote for them go, so that
+        metrics.jsonl holds each step once (the kept lines are rewritten through a new file, then renamed)."""
+        lines = self.jsonl_path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        if len(kept) != len(lines):
+            tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.jsonl_path)
+
     @staticmethod
     def format_line(r: dict) -> str:
         """The human line, e.g. `step 3/10 | loss 4.3110 | ... | MFU 65.9% | gpu 56.2 GB | host 12.0 GB (node 120.4 GB)`;
@@ -276,6 +296,8 @@ class StepLogger:
             parts.append(f"trained {r['trained_tokens']:,}")
         if r.get("documents", 1) > 1:
             parts.append(f"docs {r['documents']} (pad {100 * r.get('padding_share', 0.0):.1f}%)")
+        if r.get("reward_margin") is not None:  # preference training (train/preference_step.py)
+            parts.append(f"margin {r['reward_margin']:.3f} (acc {r['reward_accuracy']:.2f})")
         parts += [
             f"{r['step_time_s']:.1f} s", f"{r['tokens_per_s']:,.0f} tok/s", f"TFLOPS/GPU {_fmt(r['tflops_per_gpu'], '.1f')}",
             f"MFU {_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%')}",

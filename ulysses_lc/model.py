@@ -106,6 +106,8 @@ class SequenceParallelCausalLM(nn.Module):
                                               recompute=context)
         self.levers.append(attention)
         self.attention = attention.attention
+        linear = attention.linear  # the gated DeltaNet layers' kernel, for the start-up block (None: there are none)
+        self.deltanet = None if linear.kernel is None else f"{linear.kernel}: {linear.why}"
         if efficient_norm:
             self.levers.append(install_efficient_rmsnorm(lm))
         if chunked_loss:
@@ -189,6 +191,28 @@ class SequenceParallelCausalLM(nn.Module):
         """(plain model's name, parameter) of every parameter, as the unwrapped model would name them."""
         for name, p in self.named_parameters():
             yield self.plain_name(name), p
+
+    def summary(self, seq_len: int, device: torch.device, length_note: str = "") -> list[str]:
+        """Start-up lines for a log: layout and where the SP groups sit, model, length and RoPE scaling, kernel, the
+        plan in use (the Trainer path prints these; the main job's block, train/console.py, says the same and more)."""
+        from .yarn import describe_rope_scaling
+
+        layout, config = self.layout, self.config
+        layers = config.num_hidden_layers
+        ranks = f"{layout.world_size} rank{'s' if layout.world_size > 1 else ''}"
+        why = "the GPU" if device.type == "cuda" else "no GPU: every layer checkpointed"
+        return [
+            f"layout    {ranks} = sp {layout.sp_size} (ranks sharing one sequence) x dp {layout.dp_size} "
+            "(sequences per step)",
+            f"nodes     {layout.placement_line()}",
+            f"model     {type(config).__name__}, {layers} layers, {self.num_parameters() / 1e6:,.1f} M params "
+            f"({self.num_parameters(only_trainable=True) / 1e6:,.2f} M trained)",
+            f"length    {seq_len:,} tokens per step{f' ({length_note})' if length_note else ''}, "
+            f"{describe_rope_scaling(config)}",
+            f"kernel    {self.attention.kernel}, attention head groups {self.attention.head_groups}",
+            f"plan      {self.plan.describe(layers, self.offload)}; from the memory free on every rank ({why}, "
+            "plan_step)",
+        ]
 
     def use_plan(self, plan: MemoryPlan) -> None:
         """Change the memory plan between steps (every rank the same plan: ranks that differ deadlock)."""

@@ -13,10 +13,11 @@ The dry run (train/dry_run.py) and the run's start-up check (train/estimate.py) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from . import memory_model
-from .memory import MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
+from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
 from .shape import ModelShape
 
@@ -43,6 +44,8 @@ class StepMemory:
     state_host: int  # offloaded ZeRO-3 partitions
     act_host: int  # pinned offloaded activations
     process_host: int  # the host process itself (memory_model.HOST_PROCESS_BYTES)
+    launcher_host: int = 0  # this rank's share of the node's launcher (memory_model.LAUNCHER_BYTES / ranks per node)
+    ranks_per_node: int = 1
 
     @property
     def gpu(self) -> int:
@@ -58,7 +61,13 @@ class StepMemory:
 
     @property
     def host(self) -> int:
-        return self.process_host + self.state_host + self.act_host
+        """Per rank: its process, offloaded state and activations, and its share of the node's launcher."""
+        return self.process_host + self.state_host + self.act_host + self.launcher_host
+
+    @property
+    def node_host(self) -> int:
+        """The job's host memory on one node: its ranks and its launcher."""
+        return self.host * self.ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,16 @@ class Job:
     packed: bool = False
     offload: bool = True
     trainable_params: int | None = None  # of num_params, those that train (None: all; LoRA: the adapters)
+    # DPO (preference.py): a frozen reference copy's parameters (0: none, the adapters off or no DPO), whose bf16
+    # weights ZeRO-3 partitions like the policy's; and whether the loss head scores two documents per pair.
+    reference_params: int = 0
+    preference: bool = False
+    ranks_per_node: int = 1  # ranks sharing one node's host memory and its launcher
+
+    @property
+    def launcher_share(self) -> int:
+        """Host bytes of the node's launcher counted per rank (memory_model.LAUNCHER_BYTES over the node's ranks)."""
+        return -(-memory_model.LAUNCHER_BYTES // self.ranks_per_node)
 
     @classmethod
     def from_ds_config(cls, shape: ModelShape, num_params: int, world_size: int, sp_size: int, ds_config: dict,
@@ -138,24 +157,37 @@ class Job:
         keep_attention, groups = attention_policy(self.shape, self.kernel, self.head_groups, self.packed)
         return keep_attention, groups
 
+    def state_bytes(self) -> tuple[int, int]:
+        """(device, host) bytes per rank held for the whole run: ZeRO-3's partitions of the policy, of a DPO reference
+        copy (bf16 weights only), and, when DPO trains the LM head, the second document's fp32 head-gradient
+        accumulator (preference.ChunkedDocumentLogProbs keeps one per document on the rank's slice)."""
+        gpu, host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero,
+                                      trainable_params=self.trainable_params)
+        reference = PARAM_BYTES * -(-self.reference_params // self.world_size)
+        gpu, host = (gpu, host + reference) if self.offload_params else (gpu + reference, host)
+        if self.preference and self.trainable_params is None:
+            gpu += self.shape.vocab * self.shape.hidden * 4
+        return gpu, host
+
     def predict(self, seq_len: int, plan: MemoryPlan) -> StepMemory:
         """The step's memory per rank under `plan`."""
-        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero, trainable_params=self.trainable_params)
+        state_gpu, state_host = self.state_bytes()
         _, groups = self._policy()
         act_gpu, act_host = plan_bytes(self.shape, seq_len, plan, sp_size=self.sp_size, head_groups=groups,
                                        offload=self.offload, packed=self.packed)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
-        return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES)
+        return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES,
+                          self.launcher_share, self.ranks_per_node)
 
     def budget(self, limits: Limits) -> tuple[float, float]:
         """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
-        ZeRO-3 state and its gathered weights (with their allocator slack), and the host process leave; what
-        memory.plan_memory and the run's plan_step (`budget=`) plan within."""
-        state_gpu, state_host = zero3_state_bytes(self.num_params, self.world_size, self.ds_zero, trainable_params=self.trainable_params)
+        ZeRO-3 state and its gathered weights (with their allocator slack), the host process and its share of the
+        node's launcher leave; what memory.plan_memory and the run's plan_step (`budget=`) plan within."""
+        state_gpu, state_host = self.state_bytes()
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu
                   - gathered * (1 + memory_model.ALLOCATOR_SLACK))
-        return device, limits.host_bytes - memory_model.HOST_PROCESS_BYTES - state_host
+        return device, limits.host_bytes - memory_model.HOST_PROCESS_BYTES - self.launcher_share - state_host
 
     def plan(self, seq_len: int, limits: Limits) -> MemoryPlan:
         """The plan memory.plan_memory chooses within `budget(limits)`."""
@@ -184,8 +216,18 @@ class Job:
         return low * step
 
     def alternatives(self, seq_len: int, limits: Limits) -> list[str]:
-        """What would fit when `seq_len` does not: more GPUs, a shorter sequence, ZeRO-3 offload."""
+        """What would fit when `seq_len` does not: the host memory per rank the plan needs (where host memory is
+        over), more GPUs, a shorter sequence, ZeRO-3 offload."""
         out = []
+        if self.fit(seq_len, limits).host_over > 0:
+            unbounded = self.fit(seq_len, replace(limits, host_bytes=float("inf")))
+            if unbounded.gpu_over <= 0:
+                out.append(f"--host-memory-gb {math.ceil(unbounded.memory.host / GB * 10) / 10:g}: the host memory per "
+                           f"rank this plan needs, where each rank has that much (the limit was "
+                           f"{limits.host_bytes / GB:.1f} GB)")
+            else:
+                out.append("--host-memory-gb: the host memory per rank, where each rank has more than "
+                           f"{limits.host_bytes / GB:.1f} GB")
         for factor in (2, 4, 8, 16, 32, 64):
             sp = self.sp_size * factor
             if self.shape.heads % sp == 0:
@@ -233,7 +275,9 @@ def zero3_offload(ds_config: dict) -> tuple[bool, bool]:
                  for k in ("offload_optimizer", "offload_param"))
 
 
-# Rates measured on one H200 (ANCHORS.md, BENCHMARKS.md A/D/H), the step-time model's assumption:
+# Rates measured on one H200 (BENCHMARKS.md A/D/H: benchmarks/reports/2026-11-29_speed.md, _memory-plan.md,
+# 2026-11-30_sp2-vs-alst.md), the step-time model's assumption; the attention count is FlashAttention's benchmark's
+# (github.com/Dao-AILab/flash-attention, benchmarks/benchmark_flash_attention.py: backward 2.5x the forward):
 ATTENTION_FLOPS_PER_S = 530e12  # cuDNN causal SDPA, fwd+bwd counted as 3.5 forwards: 529-553 TF/s at 128k-256k
 ATTENTION_PASSES = 3.5  # that count: forward 1, backward 2.5
 MATMUL_FLOPS_PER_S = 778e12  # bf16 matmul 8192^3

@@ -4,6 +4,8 @@
   load_model_config, ...     config / tokenizer / weights from hub, folder, tiny (loading.py)
   lr_lambda                  warmup then constant / linear / cosine               (schedule.py)
   check_output_dir, ...      output-dir policy, RNG, save and resume              (run_state.py)
+  resolve, record_resume     --resume and the flags: taken, applied or refused     (resume.py)
+  verify, finite_state       checkpoint manifests (size, CRC-32), finite state    (checkpoint_files.py)
   export_hf_model            consolidated Hugging Face model at the end           (export.py)
   preflight                  every cheap check, before any collective            (preflight.py)
   estimate_memory            predicted GPU and host bytes per rank               (estimate.py)

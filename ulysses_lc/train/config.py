@@ -16,6 +16,7 @@ from ..explicit_attention import valid_head_groups
 from ..data.settings import DataSettings
 from ..kernels import KERNELS
 from ..layout import PLACEMENTS
+from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
 
 TINY = "tiny"
@@ -67,10 +68,23 @@ class TrainConfig:
     dry_run: bool = False  # every check and the memory prediction; no weights, no GPU
     world_size: int | None = None  # --dry-run only: the world size to plan for (default: this launch)
     gpus_per_node: int | None = None  # --dry-run only: GPUs per node (default: this launch's, else up to 8)
-    gpu_memory_gb: float | None = None  # --dry-run only: device memory per GPU (default 149, an H200)
-    host_memory_gb: float | None = None  # host memory per rank (default: the node's over its local ranks)
+    gpu_memory_gb: float | None = None  # device memory per GPU (default: this GPU's; a dry run elsewhere: an H200's)
+    host_memory_gb: float | None = None  # host memory per rank (default: the node's share; a dry run elsewhere: 225)
     max_seq_len: bool = False  # --dry-run only: find the longest --seq-len that fits
     node_timeout_s: float = 60.0  # a node silent this long (no heartbeat, no report) ends the job (job_watch.py)
+    # The fields set on the command line (parse_args); None: set in code, every field meant. On --resume the others
+    # are the saved run's (resume.py).
+    flags_given: tuple[str, ...] | None = None
+    method: str = "sft"  # sft: next-token loss; dpo: preference pairs (train/preference_step.py)
+    dpo_beta: float = 0.1
+    dpo_loss: str = "sigmoid"  # sigmoid | ipo
+    dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
+    dpo_reference: str = "auto"  # auto | copy | adapters (train/preference_step.py)
+
+    @property
+    def packed_documents(self) -> bool:
+        """Whether sequences are packed documents (packing, or DPO's two documents per pair): the memory plan's."""
+        return self.packing or self.method == "dpo"
 
     @property
     def data_settings(self) -> DataSettings:
@@ -111,17 +125,44 @@ class TrainConfig:
                              "and a loaded node may miss a few; give 5 or more (default 60).")
         if self.max_seq_len and not self.dry_run:
             raise ValueError("--max-seq-len sizes a run without loading it; add --dry-run.")
-        if self.lora_r < 0:
-            raise ValueError(f"--lora-r {self.lora_r} must be >= 0 (0 trains every weight, no adapters).")
-        if not self.lora_r and (self.export_merged or self.lora_alpha is not None or self.lora_dropout):
-            raise ValueError("--lora-alpha, --lora-dropout and --export-merged set LoRA up; add --lora-r (e.g. 16), "
-                             "or drop them for a full fine-tune.")
+        if self.lora_r < 0 or (self.lora_r == 0 and "lora_r" in (self.flags_given or ())):
+            raise ValueError(f"--lora-r {self.lora_r}: give the adapters' rank, >= 1 (e.g. 16); leave --lora-r out for "
+                             "a full fine-tune of every weight.")
+        lora_only = [f"--{f.replace('_', '-')}" for f in ("lora_alpha", "lora_dropout", "export_merged")
+                     if getattr(self, f) not in (None, 0.0, False)]
+        if not self.lora_r and lora_only:
+            raise ValueError(f"{' and '.join(lora_only)} only {'apply' if len(lora_only) > 1 else 'applies'} to LoRA "
+                             "adapters; add --lora-r (e.g. 16) to train them, or drop "
+                             f"{'it' if len(lora_only) == 1 else 'them'} for a full fine-tune.")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1).")
+        self._check_method()
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 0 (leave it out to plan from memory).")
+
+
+    def _check_method(self) -> None:
+        if self.method not in ("sft", "dpo"):
+            raise ValueError(f"--method {self.method!r}: pick sft or dpo.")
+        dpo_flags = {"dpo_beta": 0.1, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.0, "dpo_reference": "auto"}
+        if self.method != "dpo":
+            changed = [f"--{k.replace('_', '-')}" for k, v in dpo_flags.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set up preference training; add --method dpo or drop them.")
+            return
+        from ..preference import PreferenceLoss
+
+        PreferenceLoss(self.dpo_beta, self.dpo_loss, self.dpo_label_smoothing)  # its ValueError names the setting
+        if self.dpo_reference not in ("auto", "copy", "adapters"):
+            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy or adapters.")
+        if self.dpo_reference == "adapters" and not self.lora_r:
+            raise ValueError("--dpo-reference adapters is the model with its LoRA adapters off: add --lora-r (e.g. "
+                             "16), or use --dpo-reference copy for a full fine-tune.")
+        if self.loss_on is not None or self.text_column is not None:
+            raise ValueError("--method dpo trains the chosen and rejected completions of prompt / chosen / rejected "
+                             "rows; drop --loss-on and --text-column.")
 
 
 TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3)
@@ -157,7 +198,8 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = TINY_DEFAULTS
-    p.add_argument("--model", help=f"hub name or local folder, or 'tiny' (default {d.model}; tiny without GPUs)")
+    p.add_argument("--model", help=f"hub name or local folder, or an embedded model: {', '.join(TINY_MODELS)} (default "
+                                   f"{d.model}; tiny without GPUs)")
     p.add_argument("--seq-len", type=int,
                    help=f"tokens per sequence, one sequence per step (default {d.seq_len:,}; tiny or without GPUs: "
                         f"{t['seq_len']:,})")
@@ -236,16 +278,30 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int,
                    help="--dry-run: GPUs per node, for the SP groups' placement and the host memory each rank "
                         "shares (default: this launch's, else --world-size up to 8)")
-    p.add_argument("--gpu-memory-gb", type=float, help="--dry-run: memory per GPU (default 149, an H200)")
+    p.add_argument("--gpu-memory-gb", type=float,
+                   help="memory per GPU the plan may use (default: this GPU's; a dry run without the node's GPUs: 149, "
+                        "an H200). On a CPU the run then plans as for a GPU of that size")
     p.add_argument("--host-memory-gb", type=float,
-                   help="host memory per rank the plan may use, offloaded state and activations included (default: "
-                        "9/10 of the node's memory over its local ranks)")
+                   help="host memory per rank the plan may use, offloaded state, activations and the launcher's share "
+                        "included (default: 9/10 of this node's memory over its local ranks; a dry run without the "
+                        "node's GPUs: 225, a 2 TB node's share over 8 GPUs, said in its limits line)")
     p.add_argument("--max-seq-len", action="store_true", default=None,
                    help="--dry-run: the longest --seq-len that fits --world-size, --sp-size, --gpu-memory-gb and "
                         "--host-memory-gb, with its plan and predicted step time")
     p.add_argument("--node-timeout-s", type=float, default=d.node_timeout_s,
                    help="end the job when a node sends no heartbeat for this long, with no rank left there to report "
                         f"why (default {d.node_timeout_s:g})")
+    p.add_argument("--method", choices=["sft", "dpo"], default=d.method,
+                   help="sft (default): the next-token loss; dpo: preference pairs from --data rows with prompt, "
+                        "chosen and rejected (a .jsonl, chat or plain; tiny: generated), each pair one sequence of "
+                        "two documents (with --packing: as many whole pairs as fit)")
+    p.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO's beta (IPO's tau)")
+    p.add_argument("--dpo-loss", choices=["sigmoid", "ipo"], default=d.dpo_loss, help="the preference loss")
+    p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
+                   help="sigmoid: the probability of a flipped preference (cDPO), in [0, 0.5)")
+    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters"], default=d.dpo_reference,
+                   help="the reference model: a frozen copy, or the model with its LoRA adapters off (auto: adapters "
+                        "with --lora-r, else copy)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 
@@ -258,7 +314,17 @@ def parse_args(argv=None) -> TrainConfig:
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
     no_gpu = not torch.cuda.is_available()
-    tiny = args["model"] == TINY or (args["model"] is None and no_gpu)
+    tiny = args["model"] in TINY_MODELS or (args["model"] is None and no_gpu)
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
     values = {k: (v if v is not None else defaults.get(k, getattr(d, k))) for k, v in args.items()}
-    return TrainConfig(**values)
+    return TrainConfig(**values, flags_given=_given(argv))
+
+
+def _given(argv) -> tuple[str, ...]:
+    """The fields named on the command line: the parser again, with no defaults, keeps only those."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    given.pop("local_rank", None)
+    return tuple(sorted(given))

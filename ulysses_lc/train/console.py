@@ -65,22 +65,65 @@ def layout_line(layout, global_batch: int | None = None) -> str:
     return line + f"\n  nodes     {layout.placement_line()}"
 
 
-def _plan_reason(cfg, device: str, estimate) -> str:
+def _plan_reason(cfg, device: str, estimate, differs: str | None = None) -> str:
     flags = [f"--{n.replace('_', '-')}" for n in ("recompute_layers", "keep_on_gpu", "cache_attention_layers")
              if getattr(cfg, n) is not None]
     if device != "gpu":
-        why = "no GPU: every layer checkpointed and offloaded, to exercise the paths"
+        why = "no GPU: every layer checkpointed and offloaded, to exercise the paths (--gpu-memory-gb plans for one)"
+    elif differs:
+        why = f"not the dry run's plan for these limits: {differs}"
     elif estimate.fit is not None and not estimate.fit.fits:
         why = "the least memory a plan can take, and it does not fit (limits below)"
     else:
-        why = "the fastest plan that fits the limits below (memory.plan_memory)"
+        why = "the fastest plan that fits the limits below (memory.plan_memory), the dry run's for them"
     return why + (f", with {', '.join(flags)} as given" if flags else "")
 
 
+DELTANET_RULE = "fla where fla-core is installed and its backward runs on the GPU, else the torch path"
+
+
+def layers_line(model_config, kernel: str, deltanet: str) -> str:
+    """Each kind of decoder layer, how many, and what computes it: full attention and sliding windows (sinks where the
+    model has them) through the Ulysses attention with `kernel`; gated DeltaNet layers through `deltanet`."""
+    from ..shape import ModelShape, text_config
+
+    cfg = text_config(model_config)
+    shape = ModelShape.from_config(cfg)
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * shape.layers)
+    windows = shape.layer_windows or (None,) * shape.layers
+    kinds = {}
+    for kind, window in zip(types, windows):
+        if kind == "linear_attention":
+            name = f"gated DeltaNet ({deltanet})"
+        else:
+            name = f"sliding window {window}" if window is not None else "full attention"
+            name += f" with sinks ({kernel})" if shape.sinks else f" ({kernel})"
+        kinds[name] = kinds.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in kinds.items())
+
+
+def reference_line(cfg, estimate) -> str:
+    """DPO's reference model and what it costs per rank (sizing.Job.reference_params)."""
+    from .preference_step import reference_kind
+
+    job = estimate.job
+    head = f"DPO {cfg.dpo_loss}, beta {cfg.dpo_beta:g}; two documents per pair (prompt + chosen | prompt + rejected)"
+    if reference_kind(cfg) == "adapters":
+        return f"reference the model with its LoRA adapters off: no second model; {head}"
+    size = "" if job is None else (f": {job.reference_params / 1e6:,.1f} M params, "
+                                   f"{2 * job.reference_params / job.world_size / GB:.2f} GB per rank of bf16 weights "
+                                   "in the state below")
+    return f"reference a frozen copy, ZeRO-3 partitioned like the policy{size}; {head}"
+
+
 def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
-                  limits_line: str | None = None) -> str:
-    """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory,
-    and against `limits_line`'s limits (estimate.fit) whether the plan fits."""
+                  limits_line: str | None = None, node: str | None = None, differs: str | None = None,
+                  deltanet: str | None = None) -> str:
+    """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
+    (per rank, and `node`: per node), and against `limits_line`'s limits (estimate.fit) whether the plan fits.
+    device: "gpu" where the plan is a GPU's (the dry run, a GPU run, a CPU run given --gpu-memory-gb); differs: why
+    the run's plan is not the dry run's for the same limits; deltanet: what runs the gated DeltaNet layers (the run's
+    resolved kernel and why; None: the GPU run's rule, for the dry run)."""
     yarn = checked.rope or describe_rope_scaling(checked.model_config)
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
@@ -92,17 +135,21 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
         + (f"; LoRA r {cfg.lora_r} on {cfg.lora_targets}: {checked.trainable_params / 1e6:,.2f} M trained, the rest "
            "frozen (no optimizer state)" if checked.trainable_params is not None else ""),
         f"length    {cfg.seq_len:,} tokens per step, {yarn}",
+        *([reference_line(cfg, estimate)] if cfg.method == "dpo" else []),
         f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}; fallbacks {fallbacks.summary()}",
+        f"layers    {layers_line(checked.model_config, kernel, deltanet or DELTANET_RULE)}",
         f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
         "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"
         + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),
         f"plan      {layers - plan.recompute_layers} plain layers, {plan.recompute_layers} checkpointed "
         f"({offloaded} offloaded to host, {plan.keep_on_gpu} kept on {device}), "
-        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device, estimate)}",
+        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device, estimate, differs)}",
         f"memory    per rank, predicted: {device} {m.gpu / GB:.1f} GB peak (ZeRO-3 state {m.state_gpu / GB:.1f}, "
         f"gathered weights {m.gathered / GB:.1f}, activations {m.act_gpu / GB:.1f}), host {m.host / GB:.1f} GB "
         f"(process {m.process_host / GB:.1f}, state {m.state_host / GB:.1f}, offloaded activations {m.act_host / GB:.1f})",
     ]
+    if node is not None:
+        lines.append(f"node      {node}")
     if estimate.fit is not None:
         lines.append(f"limits    {limits_line}: {estimate.fit.verdict()}")
     if device == "gpu":

@@ -14,24 +14,25 @@ from ..distributed import world_size
 from ..layout import ParallelLayout, nodes_of
 from .config import TrainConfig
 from .console import layout_line, startup_block
-from .estimate import DoesNotFit, count_params, estimate_memory, job_for, limits_for, local_ranks
+from .estimate import DoesNotFit, estimate_memory, job_for, limits_for, local_ranks, node_line, sized_params
 from .preflight import preflight
 
 
 def dry_run(cfg: TrainConfig) -> str:
     """Every check, the memory plan, the predicted GPU and host memory per rank and step time, as text; loads no
-    weights, starts no process group and touches no GPU. World size: cfg.world_size, else this launch's. Limits
-    per rank: cfg.gpu_memory_gb (default an H200's), cfg.host_memory_gb (default: HOST_HEADROOM of this machine's
-    memory over its local ranks: cfg.gpus_per_node, else the launcher's count, else the world size up to 8). The
+    weights, starts no process group and allocates nothing on a GPU (it reads the GPU's size where it has one).
+    World size: cfg.world_size, else this launch's. Limits per rank (estimate.limits_for): cfg.gpu_memory_gb and cfg.host_memory_gb, else this machine's where it has the
+    node's GPUs (local ranks: cfg.gpus_per_node, else the launcher's count, else the world size up to 8), else an
+    H200's and a GPU node's stated share. The plan is the one the run computes for the same limits (Job.plan). The
     SP groups' placement (inside a node or across) follows cfg.gpus_per_node and cfg.sp_placement. cfg.max_seq_len:
     plan at the longest sequence that fits instead of cfg.seq_len. DoesNotFit (a CheckFailed) when the plan does
     not fit; its `report` is the text this would have returned."""
     ranks = cfg.world_size or world_size()
     checked = preflight(cfg, ranks)
-    num_params = count_params(checked.model_config)
-    if checked.peft_config is not None:
-        num_params += checked.trainable_params  # the adapters, beside the frozen base
-    job = job_for(cfg, checked, num_params)
+    num_params = sized_params(checked)
+    # Nodes as a launcher numbers them (each node's ranks together): where the SP groups will sit.
+    per_node = local_ranks(checked.world_size, cfg.gpus_per_node)
+    job = job_for(cfg, checked, num_params, per_node)
     limits, limits_line = limits_for(cfg, checked.world_size)
     longest_line = None
     if cfg.max_seq_len:
@@ -47,14 +48,13 @@ def dry_run(cfg: TrainConfig) -> str:
         checked = preflight(cfg, ranks)  # the YaRN factor of the new length
     plan = job.plan(cfg.seq_len, limits).with_overrides(cfg.recompute_layers, cfg.keep_on_gpu,
                                                         cfg.cache_attention_layers)
-    estimate = estimate_memory(cfg, checked, plan, num_params, limits)
-    # Nodes as a launcher numbers them (each node's ranks together): where the SP groups will sit.
-    per_node = local_ranks(checked.world_size, cfg.gpus_per_node)
+    estimate = estimate_memory(cfg, checked, plan, num_params, limits, per_node)
     layout = ParallelLayout(checked.world_size, checked.sp_size, nodes=nodes_of(checked.world_size, per_node),
                             placement=cfg.sp_placement)
     block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch),
                           num_params=num_params,
-                          kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line)
+                          kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line,
+                          node=node_line(estimate, per_node))
     text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else []) + ["  nothing was loaded"])
     if not estimate.fit.fits:
         raise DoesNotFit(estimate.fit.verdict(), job.alternatives(cfg.seq_len, limits), text)

@@ -2,8 +2,9 @@
 and the refusal of a plan that does not fit (the dry run's and the run's alike).
 
   job_for        sizing.Job from the checked config (shape, parameters, ranks, DeepSpeed offload, kernel policy)
-  limits_for     sizing.Limits: --gpu-memory-gb (dry run; the run: this GPU's) and --host-memory-gb (default:
-                 HOST_SHARE of the node's memory over its local ranks)
+  limits_for     sizing.Limits: --gpu-memory-gb (default: this GPU's where this machine has the job's GPUs, else an
+                 H200's) and --host-memory-gb (default: HOST_HEADROOM of this node's memory over its local ranks, or
+                 a GPU node's share, said, where the dry run sizes GPUs this machine does not have)
   estimate_memory  the plan's prediction and, against limits, whether it fits (DoesNotFit when not: what is
                  over, by how much, and what would fit)
   run_limits, plan_reservations  the run's limits (all ranks alike) and what its plan_step reserves
@@ -18,10 +19,14 @@ from ..memory import optimizer_reserved_bytes
 from ..memory_model import HOST_HEADROOM
 from ..shape import ModelShape
 from ..sizing import GB, Fit, Job, Limits, StepMemory
+from .preference_step import reference_kind
 from .preflight import CheckFailed
 
 DEFAULT_GPU_GB = 149.0  # an H200: 139.8 GiB usable as torch reports it (BENCHMARKS.md), what the benchmarks ran on
 GPUS_PER_NODE = 8  # a dry run's local ranks when no launcher says (an 8-GPU node)
+# Host memory per rank of a GPU node a dry run sizes from elsewhere: 9/10 of a DGX H200's 2 TB over its 8 GPUs
+# (NVIDIA's DGX H200 datasheet: 2 TB system memory); this machine's own memory says nothing about that node.
+GPU_NODE_HOST_GB = 225.0
 
 
 class DoesNotFit(CheckFailed):
@@ -61,12 +66,25 @@ def count_params(model_config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def job_for(cfg, checked, num_params: int) -> Job:
-    """The run's sizing.Job: its shape, parameter count, ranks, DeepSpeed offload and attention policy."""
+def job_for(cfg, checked, num_params: int, ranks_per_node: int = 1) -> Job:
+    """The run's sizing.Job: its shape, parameter count, ranks (ranks_per_node: those sharing one node's host memory
+    and launcher), DeepSpeed offload and attention policy, and for DPO the reference copy's parameters (the model
+    without its adapters; 0 for the adapters-off reference)."""
+    reference = 0
+    if cfg.method == "dpo" and reference_kind(cfg) == "copy":
+        reference = num_params - (checked.trainable_params or 0 if checked.peft_config is not None else 0)
     return Job.from_ds_config(ModelShape.from_config(checked.model_config), num_params, checked.world_size,
                               checked.sp_size, checked.ds_config, kernel=cfg.kernel,
-                              head_groups=cfg.attention_head_groups, packed=cfg.packing,
-                              trainable_params=checked.trainable_params)
+                              head_groups=cfg.attention_head_groups, packed=cfg.packed_documents,
+                              trainable_params=checked.trainable_params, ranks_per_node=ranks_per_node,
+                              reference_params=reference, preference=cfg.method == "dpo")
+
+
+def sized_params(checked) -> int:
+    """The parameters the plan is priced for, the dry run's and the run's alike: the model config's count (meta
+    device), plus LoRA's adapters beside the frozen base."""
+    num_params = count_params(checked.model_config)
+    return num_params + (checked.trainable_params if checked.peft_config is not None else 0)
 
 
 def local_ranks(world_size: int, gpus_per_node: int | None = None) -> int:
@@ -79,32 +97,102 @@ def local_ranks(world_size: int, gpus_per_node: int | None = None) -> int:
     return launched if launched else min(world_size, GPUS_PER_NODE)
 
 
+def _gpus_here() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def limits_for(cfg, world_size: int, gpu_bytes: float | None = None, ranks_here: int | None = None) -> tuple[Limits, str]:
-    """(Limits per rank, a line saying where they come from). gpu_bytes: the GPU's total (the run); the dry run's
-    comes from --gpu-memory-gb. Host: --host-memory-gb, else HOST_HEADROOM of this node's memory over its ranks
-    (ranks_here: the run's count on this node; the dry run's from --gpus-per-node or the launcher)."""
+    """(Limits per rank, a line saying where they come from), the dry run's and the run's alike.
+
+    GPU: --gpu-memory-gb, else `gpu_bytes` (the run's GPU total), else this machine's GPU where it has the node's
+    GPUs, else an H200's. Host: --host-memory-gb, else HOST_HEADROOM of this node's memory over its ranks
+    (ranks_here: the run's count on this node) where this machine is the node, else GPU_NODE_HOST_GB per rank, said:
+    a dry run sizing GPUs this machine does not have (none, or fewer than a node's ranks) knows nothing of that
+    node's memory."""
     import psutil
 
-    gpu = gpu_bytes if gpu_bytes is not None else (cfg.gpu_memory_gb or DEFAULT_GPU_GB) * GB
-    gpu_src = "this GPU" if gpu_bytes is not None else "--gpu-memory-gb"
+    ranks = ranks_here or local_ranks(world_size, cfg.gpus_per_node)
+    gpus_here = _gpus_here() >= ranks  # this machine has the node's GPUs
+    here = ranks_here is not None or gpus_here  # this machine is the node
+    if cfg.gpu_memory_gb:
+        gpu, gpu_src = cfg.gpu_memory_gb * GB, "--gpu-memory-gb"
+    elif gpu_bytes is not None or gpus_here:
+        import torch
+
+        gpu = gpu_bytes if gpu_bytes is not None else torch.cuda.get_device_properties(0).total_memory
+        gpu_src = "this GPU; --gpu-memory-gb"
+    else:
+        gpu, gpu_src = DEFAULT_GPU_GB * GB, "an H200's; --gpu-memory-gb"
     if cfg.host_memory_gb:
         host, host_src = cfg.host_memory_gb * GB, "--host-memory-gb"
-    else:
-        ranks = ranks_here or local_ranks(world_size, cfg.gpus_per_node)
+    elif here:
         total = psutil.virtual_memory().total
         host = HOST_HEADROOM * total / ranks
         host_src = (f"{HOST_HEADROOM:.0%} of this machine's {total / GB:.0f} GB over {ranks} local rank"
                     f"{'s' if ranks > 1 else ''}; --host-memory-gb")
+    else:
+        host = GPU_NODE_HOST_GB * GB
+        gpus = _gpus_here()
+        host_src = (f"a GPU node's default, 9/10 of 2 TB over 8 GPUs: this machine has {gpus or 'no'} GPU"
+                    f"{'s' if gpus != 1 else ''} for {ranks} ranks per node, so its own memory says nothing of that "
+                    "node's; --host-memory-gb sets the node's share per rank")
     return Limits(gpu, host), (f"{gpu / GB:.0f} GB per GPU ({gpu_src}), {host / GB:.0f} GB host per rank "
                                f"({host_src})")
 
 
-def estimate_memory(cfg, checked, plan, num_params: int, limits: Limits | None = None) -> MemoryEstimate:
+def estimate_memory(cfg, checked, plan, num_params: int, limits: Limits | None = None,
+                    ranks_per_node: int = 1) -> MemoryEstimate:
     """The plan's predicted memory per rank and step time, and against `limits` (when given) whether it fits."""
-    job = job_for(cfg, checked, num_params)
+    job = job_for(cfg, checked, num_params, ranks_per_node)
     memory = job.predict(cfg.seq_len, plan)
     fit = Fit(cfg.seq_len, plan, memory, limits) if limits is not None else None
     return MemoryEstimate(memory, job.step_seconds(cfg.seq_len, plan), fit, job)
+
+
+def node_beside_bytes() -> int:
+    """Host bytes this node holds beside the job (the OS, other users), at the job's start: the node's used memory less
+    the launcher's process tree (its ranks included), which the plan counts itself."""
+    import psutil
+
+    me = psutil.Process()
+    launcher = me.parent() or me
+    job = 0
+    for proc in [launcher, *launcher.children(recursive=True)]:
+        try:
+            job += proc.memory_info().rss
+        except psutil.Error:  # a process may exit between listing and reading
+            pass
+    return max(psutil.virtual_memory().used - job, 0)
+
+
+def node_line(estimate: MemoryEstimate, ranks: int, beside: int | None = None) -> str:
+    """The job's predicted host memory on one node: its ranks and launcher, and (the run) what the node held beside
+    the job at its start; what the step line's "node" figure is measured against."""
+    m = estimate.memory
+    text = (f"{m.node_host / GB:.1f} GB host predicted per node ({ranks} rank{'s' if ranks > 1 else ''} x "
+            f"{m.host / GB:.1f} GB, the launcher's {m.launcher_host * ranks / GB:.0f} GB counted)")
+    if beside is None:
+        return text
+    return (f"{(m.node_host + beside) / GB:.1f} GB host predicted on this node: {text[:text.index(' GB')]} for the job "
+            f"{text[text.index('('):]} + {beside / GB:.1f} GB in use beside it at the start")
+
+
+def check_node_memory(estimate: MemoryEstimate, ranks: int, beside: int) -> None:
+    """ValueError naming --host-memory-gb when the job's predicted host memory on this node and what the node held
+    beside it at the start exceed the node's memory."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    need = estimate.memory.node_host + beside
+    if need <= total:
+        return
+    share = (total - beside) / ranks
+    raise ValueError(f"host memory: this node has {total / GB:.1f} GB, and the plan's {estimate.memory.node_host / GB:.1f} "
+                     f"GB for {ranks} rank{'s' if ranks > 1 else ''} and the launcher, with {beside / GB:.1f} GB in use "
+                     f"beside the job, need {need / GB:.1f}: pass --host-memory-gb {share / GB:.0f} or less (what this "
+                     "node leaves each rank), or free host memory.")
 
 
 def plan_reservations(job: Job, limits: Limits) -> dict:
@@ -116,18 +204,24 @@ def plan_reservations(job: Job, limits: Limits) -> dict:
 
 
 def run_limits(cfg, checked, device, layout) -> tuple[Limits, str] | None:
-    """The run's limits per rank (this GPU's memory, --host-memory-gb or the node's share), the smallest over all
-    ranks so that every rank judges alike; None without CUDA. Collective on CUDA."""
+    """The run's limits per rank, as its dry run would set them on this machine (`limits_for`: --gpu-memory-gb else
+    this GPU's total, --host-memory-gb else the node's share), the smallest over all ranks so that every rank
+    judges alike. Without CUDA only where --gpu-memory-gb is given (the plan then is a GPU's of that size; else
+    None: every layer checkpointed, to exercise the paths). Collective."""
     import torch
 
-    if device.type != "cuda":
+    if device.type != "cuda" and not cfg.gpu_memory_gb:
         return None
-    limits, line = limits_for(cfg, checked.world_size, gpu_bytes=torch.cuda.mem_get_info(device)[1],
-                              ranks_here=layout.ranks_on_node())
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    if total is not None and cfg.gpu_memory_gb and cfg.gpu_memory_gb * GB > total:
+        raise ValueError(f"--gpu-memory-gb {cfg.gpu_memory_gb:g} is more than this GPU's {total / GB:.1f} GB; pass "
+                         f"--gpu-memory-gb {total / GB:.0f} or less, or leave it out (the GPU's own).")
+    limits, line = limits_for(cfg, checked.world_size, gpu_bytes=total, ranks_here=layout.ranks_on_node())
     both = torch.tensor([limits.gpu_bytes, limits.host_bytes], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
     return Limits(float(both[0]), float(both[1])), line
 
 
 __all__ = ["DEFAULT_GPU_GB", "DoesNotFit", "MemoryEstimate", "count_params", "estimate_memory", "job_for",
-           "limits_for", "local_ranks", "plan_reservations", "run_limits"]
+           "limits_for", "local_ranks", "node_beside_bytes", "node_line", "check_node_memory", "plan_reservations",
+           "run_limits", "sized_params"]

@@ -34,14 +34,19 @@ from ..zero_reshard import universal_config
 from .run_state import (check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line, save_checkpoint,
                         write_run_file)
 from .config import TrainConfig
+from .checkpoint_files import finite_state
 from .console import RunLogger, layout_line, startup_block
-from .estimate import estimate_memory, job_for, plan_reservations, run_limits
+from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
+                       run_limits, sized_params)
 from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
+from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics
 from .preflight import preflight
-from .schedule import lr_lambda
+from .resume import change_lines, record_resume
+from .same_flags import check_same_flags
+from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +76,8 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # on which NCCL runs the agreement's object collective.
     watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
     try:
-        records = _train(cfg, checked, on_step)
+        # On --resume, the saved run's settings where not named; the flags as given are compared across ranks.
+        records = _train(checked.cfg, checked, on_step, given=cfg)
     except BaseException:
         watch.stop(clean=False)
         raise
@@ -79,9 +85,10 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
+def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]:
     import deepspeed
 
+    beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
     layout = ParallelLayout.build(checked.sp_size, placement=cfg.sp_placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
     global_batch = checked.global_batch
@@ -91,6 +98,7 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    check_same_flags(given, layout)  # a node started with other flags would run rank 0's without a word
     # One run folder for the whole job (rank 0's), then who writes what in it and in the token cache: once per
     # folder, whether the nodes share one file system or each has its own disk (files.py).
     out = agree_on_run_dir(checked.out, lambda: new_run_dir(cfg.model), layout)
@@ -104,18 +112,23 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
                     f"{cache_files.describe()})")
 
     tokenizer = load_tokenizer(cfg.model)
-    data_settings = cfg.data_settings.kwargs()
-    # A missing path, column or completion fails here, on the first rows, before any weights load.
-    check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
-    stream = build_token_stream(
-        cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * global_batch, cache_dir=cfg.cache_dir,
-        builder=cache_files.writes, progress=rank0, **data_settings,
-    )
+    dpo = cfg.method == "dpo"
+    if dpo:  # every pair read and checked (length, completion tokens) before any weight loads
+        stream = build_pair_stream(cfg, tokenizer)
+    else:
+        data_settings = cfg.data_settings.kwargs()
+        # A missing path, column or completion fails here, on the first rows, before any weights load.
+        check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
+        stream = build_token_stream(
+            cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * global_batch, cache_dir=cfg.cache_dir,
+            builder=cache_files.writes, progress=rank0, **data_settings,
+        )
 
     torch.manual_seed(cfg.seed)
     hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config, checked.peft_config)
     model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
-    num_params = model.num_parameters()
+    # The plan's parameter count is the dry run's (the config's, on the meta device), so both price the same state.
+    num_params = sized_params(checked)
 
     optimizer = None
     if "optimizer" not in ds_config:
@@ -123,41 +136,62 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
         optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
         )
+    schedule = Schedule(cfg)  # a function of this object, not the object: LambdaLR would save and load its fields
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg)),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
         # Saved on another world size: the engine reads the ZeRO-3 state through DeepSpeed's universal checkpoint.
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
+    dpo_step = DPOStep(cfg, layout, model_config.vocab_size, pad_token_id(tokenizer),
+                       load_reference(cfg, checked, device, layout)) if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
-    # The plan is no larger than the dry run's for this machine's limits, and one that does not fit stops here.
+    # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only less
+    # device memory free now than the limits leave changes it, and the plan line says so. One that does not fit
+    # stops here.
     limits, limits_line = run_limits(cfg, checked, device, layout) or (None, None)
-    reserve = plan_reservations(job_for(cfg, checked, num_params), limits) if limits else {}
+    ranks_here = layout.ranks_on_node()
+    job = job_for(cfg, checked, num_params, ranks_here)
+    reserve = plan_reservations(job, limits) if limits else {}
     model.probe_attention(device, checked.dtype)  # a kernel that refuses this model's call is known before the plan
-    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packing, **reserve).with_overrides(
+    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
-    estimate = estimate_memory(cfg, checked, plan, num_params, limits)
+    estimate = estimate_memory(cfg, checked, plan, num_params, limits, ranks_here)
+    dry = job.plan(cfg.seq_len, limits).with_overrides(cfg.recompute_layers, cfg.keep_on_gpu,
+                                                      cfg.cache_attention_layers) if limits else plan
     if rank0:
         logger.info(startup_block(
             out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
-            kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if device.type == "cuda" else "cpu",
-            limits_line=limits_line))
+            kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
+            limits_line=limits_line, deltanet=model.deltanet,
+            node=node_line(estimate, ranks_here, beside) if limits else None,
+            differs=None if plan == dry else "less device memory is free now than the limits leave (another process "
+                                             "on this GPU?); the dry run's plan would not fit"))
+    if device.type == "cuda":  # a CPU run's memory is no GPU node's
+        check_node_memory(estimate, ranks_here, beside)
     estimate.check()
 
     start_step = 0
     if cfg.resume:
-        start_step = load_checkpoint(engine, out, stream, layout)
+        start_step = load_checkpoint(engine, out, stream, layout, schedule=schedule)
+        extended = schedule.extend(start_step, cfg.steps)
+        _apply_lr(scheduler, schedule, cfg)  # a new --lr or --weight-decay; the checkpoint's lr otherwise, as saved
         if rank0:
-            logger.info(resume_line(checked.saved, world, sp_size, global_batch))
+            for line in [resume_line(checked.saved, world, sp_size, global_batch), *change_lines(checked.changed),
+                         *([extended] if extended else [])]:
+                logger.info(line)
+        if run_files.writes:
+            record_resume(out, cfg, start_step, checked.changed, sp_size, world)
     elif run_files.writes:
         write_run_file(out, cfg, sp_size, world)
 
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size. Without a
     # GPU the figures mean nothing, so the line shows "-".
     flops = model_flops_per_step(model_config, cfg.seq_len, recompute_layers=plan.recompute_layers,
-                                 cached_attention_layers=plan.cache_attention_layers) if device.type == "cuda" else None
+                                 cached_attention_layers=plan.cache_attention_layers) \
+        if device.type == "cuda" and not dpo else None  # DPO: pairs shorter than seq_len, a reference forward: "-"
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     records = []
     with RunLogger(
@@ -169,20 +203,26 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            losses, trained, documents, padding = [], 0, 0, 0
+            losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
-                batch = shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
-                                    vocab_size=model_config.vocab_size, document_lengths=sample.document_lengths).to(device)
                 seed_step(cfg.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
-                loss = engine(**batch.as_kwargs())
+                if dpo:
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device)
+                    pair_metrics.append(metrics)
+                else:
+                    batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
+                                        pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
+                                        document_lengths=sample.document_lengths).to(device)
+                    loss = engine(**batch.as_kwargs())
+                    n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 engine.step()  # the optimizer steps at the last micro step only
                 losses.append(loss.detach())
-                trained = trained + model.last_num_tokens
-                documents, padding = documents + sample.num_documents, padding + sample.padding_tokens
+                trained = trained + n_trained
+                documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
             # The one host sync of the step: the logged numbers.
             loss_value = _dp_mean(torch.stack(losses).mean(), layout)
@@ -193,8 +233,9 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
                 step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
                 # Unpacked windows are one causal stream each: no document count to show.
-                trained_tokens=trained, documents=documents if cfg.packing else 1,
+                trained_tokens=trained, documents=documents if cfg.packed_documents else 1,
                 padding_share=padding / (cfg.seq_len * global_batch),
+                **(mean_metrics(pair_metrics, layout) if dpo else {}),
             )
             stream.position += global_batch
             if record is not None:
@@ -206,11 +247,17 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
                 raise NonFiniteError(
                     f"step {done}: loss {loss_value}, grad_norm {grad_norm}: not finite; the run stops without "
                     f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
-                    f"{cfg.lr:g}) or raise --warmup-steps, and check the data; then continue from the checkpoint "
-                    f"with --resume --output-dir {out}.")
+                    f"{cfg.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
+                    "--lr <lower> (a new --lr applies on resume).")
             if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+                if not finite_state(engine):
+                    raise NonFiniteError(
+                        f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
+                        f"in the weights or optimizer state; the run stops without saving them. Last good checkpoint: "
+                        f"{latest_checkpoint(out) or 'none'}. Lower --lr (now {cfg.lr:g}) and continue from it with "
+                        f"--resume --output-dir {out} --lr <lower>.")
                 save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints, writes=run_files.writes,
-                                layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
+                                schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if on_step is not None:
                 on_step(done, record)
 
@@ -220,6 +267,16 @@ def _train(cfg: TrainConfig, checked, on_step) -> list[dict]:
         logger.info("done: %d steps in %s (checkpoint %s%s)", cfg.steps, out, latest_checkpoint(out),
                     f", Hugging Face model {out / EXPORT_DIR}" if cfg.export else "")
     return records
+
+
+def _apply_lr(scheduler, schedule: Schedule, cfg: TrainConfig) -> None:
+    """The resumed optimizer's lr and weight decay from `cfg` at the loaded step: the checkpoint holds the saved run's
+    (LambdaLR's base lr, the optimizer's groups), which a new --lr would otherwise leave in place."""
+    scheduler.base_lrs = [cfg.lr for _ in scheduler.base_lrs]
+    lr = cfg.lr * schedule(scheduler.last_epoch)
+    for group in scheduler.optimizer.param_groups:
+        group["lr"], group["weight_decay"] = lr, cfg.weight_decay
+    scheduler._last_lr = [lr for _ in scheduler.base_lrs]
 
 
 def _start_wandb(cfg: TrainConfig, out: Path):

@@ -25,6 +25,7 @@ from ..zero_reshard import check_complete
 from .run_state import CHECKPOINT_DIR, check_output_dir, find_latest_run, latest_tag, saved_layout
 from .config import TrainConfig
 from .loading import hub_offline, load_model_config
+from .resume import check_kept, resolve, saved_settings
 
 
 # (flag, its TrainConfig field, the module it imports, the pyproject extra that installs it)
@@ -61,6 +62,8 @@ class Checked:
     global_batch: int = 1  # sequences per optimizer step: dp_size x gradient accumulation
     saved: dict | None = None  # --resume: the checkpoint's layout (run_state.saved_layout)
     rope: str = ""  # what yarn.plan_rope did, for the start-up block
+    cfg: TrainConfig | None = None  # the settings the run trains with: on --resume, the saved run's where not named
+    changed: dict | None = None  # --resume: the named changes that apply, {field: (saved, now)} (resume.resolve)
 
     @property
     def resharded(self) -> bool:
@@ -104,6 +107,9 @@ def preflight(cfg: TrainConfig, world_size: int) -> Checked:
 
 
 def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
+    changed = {}
+    if cfg.resume and not cfg.dry_run:  # the saved run's settings first: its LoRA flags need not be repeated
+        cfg, changed = resolve(cfg, Path(cfg.output_dir) if cfg.output_dir else find_latest_run(cfg.model))
     cfg.check()
     sp_size = cfg.sp_size or world_size
     layout = ParallelLayout(world_size, sp_size)  # sizes only, no groups: ValueError when sp does not divide
@@ -134,6 +140,10 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
         raise ValueError(f"--data {cfg.data} streams from the Hugging Face hub, which cannot be reached here "
                          f"({offline}); pass --data tiny (generated text) or local data files (.jsonl, .parquet, "
                          ".txt, or a folder of them).")
+    if cfg.method == "dpo":
+        from .preference_step import check_pair_source
+
+        check_pair_source(cfg)
     model_config = load_model_config(cfg.model)
     check_model_for_ulysses(model_config, sp_size)
     rope = plan_rope(model_config, cfg.seq_len, cfg.yarn_factor, rope_scaling=cfg.rope_scaling, sp_size=sp_size)
@@ -144,7 +154,7 @@ def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
         # On the meta device, in seconds: a target the model does not have fails here, before any weight loads.
         _, trainable = count_trainable_parameters(model_config, peft_config)
     return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable, global_batch, saved,
-                   rope.summary)
+                   rope.summary, cfg, changed)
 
 
 def _global_batch(cfg: TrainConfig, layout: ParallelLayout, saved: dict | None) -> int:
@@ -169,14 +179,19 @@ def _global_batch(cfg: TrainConfig, layout: ParallelLayout, saved: dict | None) 
 
 
 def _check_output(cfg: TrainConfig, sp_size: int, world_size: int) -> Path | None:
-    if cfg.output_dir is None:
-        if cfg.resume:
-            return check_output_dir(cfg, sp_size, world_size, find_latest_run(cfg.model))
+    if cfg.output_dir is None and not cfg.resume:
         _check_writable(Path("runs"), "the default runs/ folder")
         return None
-    out = Path(cfg.output_dir)
-    _check_writable(out, f"--output-dir {out}")
-    return check_output_dir(cfg, sp_size, world_size, out)
+    if cfg.output_dir is None:
+        out = find_latest_run(cfg.model)
+    else:
+        out = Path(cfg.output_dir)
+        _check_writable(out, f"--output-dir {out}")
+    out = check_output_dir(cfg, sp_size, world_size, out)
+    saved = saved_settings(out) if cfg.resume else None
+    if saved is not None:
+        check_kept(cfg, saved, out)
+    return out
 
 
 def _check_writable(out: Path, what: str) -> None:

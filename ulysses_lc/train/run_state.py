@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..zero_reshard import load_resharded, model_states_name, read_model_states
+from .checkpoint_files import choose_checkpoint, recording_files, verify, write_manifest
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
@@ -78,8 +79,7 @@ def find_latest_run(model: str) -> Path:
 
 
 def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
-    """Refuse to overwrite another run's checkpoints; on --resume, require the same run."""
-    run_file = out / RUN_FILE
+    """Refuse to overwrite another run's checkpoints; on --resume, require one (resume.check_kept: the same run)."""
     has_ckpt = (out / CHECKPOINT_DIR / LATEST).exists()
     if has_ckpt and not cfg.resume:
         raise ValueError(
@@ -88,19 +88,6 @@ def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
         )
     if cfg.resume and not has_ckpt:
         raise ValueError(f"--resume: {out} holds no checkpoint to resume from; drop --resume to start a new run.")
-    if cfg.resume and run_file.exists():
-        saved = json.loads(run_file.read_text())
-        # The world size and sp_size may change: the ZeRO-3 state is resharded and the data position counts sequences
-        # (load_checkpoint, zero_reshard.py).
-        now = {"model": cfg.model, "seq_len": cfg.seq_len, "data": cfg.data,
-               "lora_r": cfg.lora_r, "lora_targets": cfg.lora_targets}  # the adapters are the trained state
-        before_lora = {"lora_r": 0, "lora_targets": "all"}  # a run.json written before the LoRA flags
-        for key, value in now.items():
-            if saved.get(key, before_lora.get(key)) != value:
-                raise ValueError(
-                    f"--resume: the checkpoint in {out} was trained with {key}={saved.get(key)!r}, not "
-                    f"{value!r}; resume with the same settings or use another --output-dir."
-                )
     return out
 
 
@@ -111,7 +98,7 @@ def write_run_file(out: Path, cfg, sp_size: int, world_size: int) -> None:
 
 
 def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes: bool | None = None,
-                    layout: dict | None = None) -> None:
+                    layout: dict | None = None, schedule=None) -> None:
     """Collective: model, optimizer and schedule (DeepSpeed) plus step, data position and RNG, then `latest`.
 
     keep: the newest `keep` checkpoints stay, older ones are deleted once `latest` points past them (0: all).
@@ -119,6 +106,7 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
         node-local copy gets its own); default global rank 0, for one shared folder.
     layout: world_size, sp_size and global_batch of the run, kept with the checkpoint (not only in run.json) so
         that a resume on another layout knows what it reshards from (`saved_layout`).
+    schedule: the run's schedule.Schedule, whose extensions by earlier resumes a later one continues.
     """
     ckpt_dir = out / CHECKPOINT_DIR
     # DeepSpeed's own `latest` is written by rank 0 as soon as rank 0's files are done, before the other
@@ -126,11 +114,15 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
     # A LoRA run's frozen base weights are not saved (every checkpoint would hold the whole model again): --resume
     # loads them from --model, as the run did, and the checkpoint restores the adapters and their optimizer state.
     frozen = any(not p.requires_grad for p in engine.module.parameters())
-    engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False, exclude_frozen_parameters=frozen,
-                           client_state={"step": step, "data": stream.state_dict(), "rng": rng_state(),
-                                         "layout": layout})
-    torch.distributed.barrier()  # every rank's files are written
+    with recording_files(engine) as written:  # each file's size and CRC-32, summed as it is written
+        engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False, exclude_frozen_parameters=frozen,
+                               client_state={"step": step, "data": stream.state_dict(), "rng": rng_state(),
+                                             "layout": layout,
+                                             "schedule": schedule.state_dict() if schedule is not None else None})
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, written)  # also the barrier: every rank's files are written
     if torch.distributed.get_rank() == 0 if writes is None else writes:
+        write_manifest(ckpt_dir / f"step{step}", every)  # last in the tag, before `latest` names it
         tmp = ckpt_dir / f".{LATEST}.tmp"
         tmp.write_text(f"step{step}")
         os.replace(tmp, ckpt_dir / LATEST)  # atomic: `latest` names the old tag or the new one, never half
@@ -148,33 +140,36 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(ckpt_dir / f"step{s}", ignore_errors=True)
 
 
-def load_checkpoint(engine, out: Path, stream, layout=None) -> int:
+def load_checkpoint(engine, out: Path, stream, layout=None, schedule=None) -> int:
     """Collective: restore a checkpoint into `engine` and `stream`, and the RNG; returns its step.
 
     Same world size: the newest checkpoint every rank holds its files of (files.agree_on_checkpoint: each rank
     reads its own folder's `latest`, which on node-local disks is its node's; layout None: this folder's `latest`).
     An engine built with `zero_reshard.universal_config` (train() does so when the checkpoint was saved on another
     world size) gets the ZeRO-3 state resharded from the saved ranks' files of `latest`; the data position is in
-    sequences consumed, whatever the layout.
+    sequences consumed, whatever the layout. schedule: a schedule.Schedule that takes the saved extensions.
     """
-    from .files import agree_on_checkpoint
-
     ckpt_dir = out / CHECKPOINT_DIR
     # A LoRA run's checkpoint holds no frozen weights (save_checkpoint): those keys are missing by design.
     frozen = any(not p.requires_grad for p in engine.module.parameters())
     if engine.load_universal_checkpoint():
-        client = load_resharded(engine, ckpt_dir / latest_tag(out), load_module_strict=not frozen)
+        tag, lines = choose_checkpoint(ckpt_dir, latest_tag(out), layout, every_file=True)
+        if lines and layout.rank == 0:
+            logger.info("\n".join(lines))
+        client = load_resharded(engine, ckpt_dir / tag, load_module_strict=not frozen)
     else:
         tag = None
         if layout is not None:
             latest = latest_tag(out) if (ckpt_dir / LATEST).is_file() else None
-            tag, note = agree_on_checkpoint(ckpt_dir, latest, layout)
-            if note and layout.rank == 0:
-                logger.info(note)
+            tag, lines = choose_checkpoint(ckpt_dir, latest, layout)
+            if lines and layout.rank == 0:
+                logger.info("\n".join(lines))
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not frozen)
     if client is None:
         raise ValueError(f"--resume: the checkpoint {ckpt_dir} names cannot be read; pass another --output-dir.")
     stream.load_state_dict(client["data"])
+    if schedule is not None and client.get("schedule"):
+        schedule.load_state_dict(client["schedule"])
     set_rng_state(client["rng"])
     return client["step"]
 
@@ -186,7 +181,7 @@ def saved_layout(out: Path, rank: int = 0) -> dict:
     hold only their own ranks'), else from any rank's: they agree. A checkpoint from before the layout was kept
     gives DeepSpeed's own record (the ZeRO-3 partition count, train_batch_size) and run.json's sp_size.
     """
-    tag_dir = out / CHECKPOINT_DIR / latest_tag(out)
+    tag_dir = _readable_tag(out, rank)
     states = read_model_states(tag_dir, rank if (tag_dir / model_states_name(rank)).is_file() else None)
     layout = states.get("layout")
     if layout is None:
@@ -194,6 +189,21 @@ def saved_layout(out: Path, rank: int = 0) -> dict:
         layout = {"world_size": int(states["dp_world_size"]), "global_batch": int(states["ds_config"]["train_batch_size"]),
                   "sp_size": json.loads(run_file.read_text()).get("sp_size") if run_file.is_file() else None}
     return {**layout, "step": int(states["step"]), "position": int(states["data"]["position"])}
+
+
+def _readable_tag(out: Path, rank: int) -> Path:
+    """The newest tag up to `latest` whose model_states file (this rank's, else any) checks against its manifest, so
+    that a damaged newest checkpoint fails nothing here: the loop's load says what is wrong and takes an older one."""
+    ckpt_dir = out / CHECKPOINT_DIR
+    newest = int(latest_tag(out).removeprefix("step"))
+    steps = sorted((int(p.name[4:]) for p in ckpt_dir.glob("step*") if p.name[4:].isdigit()), reverse=True)
+    for step in [s for s in steps if s <= newest]:
+        tag_dir = ckpt_dir / f"step{step}"
+        mine = tag_dir / model_states_name(rank)
+        states = mine if mine.is_file() else next(iter(sorted(tag_dir.glob(model_states_name("*")))), None)
+        if states is not None and not verify(tag_dir, [states.name]):
+            return tag_dir
+    return ckpt_dir / latest_tag(out)  # none checks: the load names what is wrong
 
 
 def resume_line(saved: dict, world_size: int, sp_size: int, global_batch: int) -> str:

@@ -1,0 +1,142 @@
+"""The main job's --method dpo on 2 gloo ranks (sp 2): preference rows from a .jsonl, packed, the reward margin rising,
+metrics.jsonl, kill-and-resume on the same trajectory, the export, LoRA against its adapters off; and the refusals
+(a pair longer than --seq-len, a completion with no tokens, DPO flags without --method dpo, a source of plain text).
+The loss itself is held to TRL's in test_preference.py; here the job around it.
+"""
+
+import json
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests._dist import run_shared
+from tests.test_training import Killed
+from ulysses_lc.data.pairs import tiny_pairs
+from ulysses_lc.train import EXPORT_DIR, TrainConfig, train
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pairs_file(tmp_path, n=12, max_chars=240):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in tiny_pairs(n, max_chars, seed=3)))
+    return str(path)
+
+
+def dpo_config(tmp_path, **overrides):
+    base = TrainConfig(model="tiny", data=pairs_file(tmp_path), method="dpo", seq_len=1024, steps=6, lr=3e-3,
+                       warmup_steps=1, dpo_beta=0.1, output_dir=str(tmp_path / "run"),
+                       cache_dir=str(tmp_path / "cache"), export=True)
+    return replace(base, **overrides)
+
+
+def train_worker(rank, world_size, cfg, kill_after=None):
+    def on_step(step, record):
+        if kill_after is not None and step == kill_after:
+            raise Killed
+
+    try:
+        return train(cfg, on_step=on_step)
+    except Killed:
+        return "killed"
+
+
+def test_dpo_run_margin_rises_resumes_and_exports(tmp_path):
+    cfg = dpo_config(tmp_path, packing=True, save_every=2)
+    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+    margins = [r["reward_margin"] for r in records]
+    assert margins[0] == pytest.approx(0.0, abs=1e-6)  # the policy starts as its reference copy
+    assert all(b > a for a, b in zip(margins, margins[1:])), margins  # rising at every step
+    assert records[-1]["reward_accuracy"] == 1.0 and records[-1]["loss"] < records[0]["loss"] - 0.3
+    documents = [r["documents"] for r in records]
+    assert max(documents) >= 4 and all(d % 2 == 0 for d in documents), documents  # packed: whole pairs, several
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["loss"] for m in metrics] == [r["loss"] for r in records]
+    assert {"reward_margin", "reward_accuracy", "reward_chosen", "reward_rejected"} <= metrics[0].keys()
+    assert (tmp_path / "run" / EXPORT_DIR / "config.json").exists()
+
+    killed = replace(cfg, output_dir=str(tmp_path / "killed"), export=False)
+    assert run_shared(train_worker, 2, killed, 3, kind="deepspeed") == ["killed", "killed"]
+    resumed = run_shared(train_worker, 2, replace(killed, resume=True), kind="deepspeed")[0]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in records[2:]], rtol=1e-6)
+
+
+def test_dpo_lora_run_against_its_adapters_off(tmp_path):
+    cfg = dpo_config(tmp_path, lora_r=4, steps=4, lr=1e-2)
+    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+    margins = [r["reward_margin"] for r in records]
+    assert margins[0] == pytest.approx(0.0, abs=1e-6)  # fresh adapters (B = 0): the policy is the reference
+    assert margins[-1] > margins[1] > 0, margins
+    assert (tmp_path / "run" / EXPORT_DIR / "adapter_config.json").exists()
+
+
+def refused_worker(rank, world_size, cfg):
+    try:
+        train(cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_dpo_pair_longer_than_seq_len_is_refused_before_the_weights_load(tmp_path):
+    cfg = dpo_config(tmp_path, seq_len=256, data=pairs_file(tmp_path, n=2, max_chars=400))
+    for message in run_shared(refused_worker, 2, cfg, kind="deepspeed"):
+        assert "longer than the sequence length 256" in message and "raise --seq-len to at least" in message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+class _NoEosTokenizer:
+    """Bytes as tokens and no EOS: an empty completion stays empty."""
+
+    eos_token = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(text.encode())}
+
+
+def test_pairs_that_cannot_train_and_misplaced_flags_are_refused(tmp_path):
+    from ulysses_lc.data import parse_source
+    from ulysses_lc.data.pairs import read_pairs
+    from ulysses_lc.train.preference_step import check_pair_source
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "Say hi.", "chosen": "", "rejected": "No."}) + "\n")
+    with pytest.raises(ValueError, match="no chosen completion tokens"):
+        read_pairs(parse_source(str(path)), _NoEosTokenizer(), 1024)
+    path.write_text(json.dumps({"prompt": "Say hi.", "answer": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="has no chosen, rejected"):
+        read_pairs(parse_source(str(path)), _NoEosTokenizer(), 1024)
+    for bad, words in [(dict(method="sft", dpo_beta=0.5), "add --method dpo"),
+                       (dict(dpo_reference="adapters"), "add --lora-r"),
+                       (dict(dpo_loss="ipo", dpo_label_smoothing=0.1), "label_smoothing"),
+                       (dict(loss_on="all"), "drop --loss-on")]:
+        with pytest.raises(ValueError, match=words):
+            dpo_config(tmp_path, **bad).check()
+    text = tmp_path / "book.txt"
+    text.write_text("plain prose")
+    with pytest.raises(ValueError, match="preference rows"):
+        check_pair_source(dpo_config(tmp_path, data=str(text)))
+
+
+def test_dry_run_counts_the_reference_copy_or_its_absence():
+    from ulysses_lc.shape import ModelShape
+    from ulysses_lc.train import dry_run
+    from ulysses_lc.train.estimate import count_params, job_for
+    from ulysses_lc.train.preflight import preflight
+
+    base = dict(model="tiny", data="tiny", seq_len=8192, dry_run=True, world_size=2, method="dpo")
+    assert "reference a frozen copy, ZeRO-3 partitioned like the policy" in dry_run(TrainConfig(**base))
+    assert "adapters off: no second model" in dry_run(TrainConfig(lora_r=4, **base))
+    cfg = TrainConfig(**base)
+    checked = preflight(cfg, 2)
+    n = count_params(checked.model_config)
+    shape = ModelShape.from_config(checked.model_config)
+    sft = job_for(replace(cfg, method="sft"), checked, n).state_bytes()
+    dpo = job_for(cfg, checked, n).state_bytes()
+    # The copy's bf16 partition, and the second document's fp32 head-gradient accumulator (the head trains).
+    assert dpo[0] - sft[0] == 2 * -(-n // 2) + shape.vocab * shape.hidden * 4 and dpo[1] == sft[1]
+    lora = TrainConfig(lora_r=4, **base)
+    checked = preflight(lora, 2)
+    assert job_for(lora, checked, n).state_bytes() == job_for(replace(lora, method="sft"), checked, n).state_bytes()

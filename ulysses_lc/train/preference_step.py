@@ -1,0 +1,99 @@
+"""--method dpo in the main job: the pairs' stream, the reference model, and one micro step's DPO loss.
+
+Each sequence is one pair (or, with --packing, as many whole pairs as fit) laid out as two packed documents per pair
+(preference.py). The reference (--dpo-reference):
+  copy      a frozen copy of the model, loaded as the policy is, wrapped in a SequenceParallelCausalLM without
+            checkpointing (it runs without gradient) and partitioned by ZeRO-3 like the policy: its bf16 weights
+            over all ranks, what the dry run adds to the predicted memory;
+  adapters  the policy with its LoRA adapters off (--lora-r): no second model;
+  auto      adapters with --lora-r, else copy.
+The step's metrics: `loss` is the DPO loss; reward_margin, reward_accuracy, reward_chosen, reward_rejected are
+TRL's rewards (beta x the log-ratio against the reference), means over the step's pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data import parse_source
+from ..data.pairs import PairStream
+from ..layout import ParallelLayout
+from ..model import SequenceParallelCausalLM
+from ..preference import PreferenceLoss, reference_log_probs, shard_pairs
+from .loading import load_model
+
+# TRL's metric names (rewards/margins, ...) as metrics.jsonl keys.
+METRICS = {"rewards/margins": "reward_margin", "rewards/accuracies": "reward_accuracy",
+           "rewards/chosen": "reward_chosen", "rewards/rejected": "reward_rejected"}
+
+
+def reference_kind(cfg) -> str:
+    """What the reference model is for this run: "copy" or "adapters"."""
+    if cfg.dpo_reference == "auto":
+        return "adapters" if cfg.lora_r else "copy"
+    return cfg.dpo_reference
+
+
+def check_pair_source(cfg) -> None:
+    """ValueError unless --data names preference rows --method dpo can read (cheap: the listing only)."""
+    src = parse_source(cfg.data, seed=cfg.seed, data_config=cfg.data_config)
+    if src.kind != "tiny" and not src.tabular:
+        raise ValueError(f"--method dpo trains preference rows (prompt / chosen / rejected): --data {cfg.data} is "
+                         f"{src.kind} text. Pass a .jsonl/.json/.parquet/.csv of such rows (or a hub dataset of "
+                         "them), or --data tiny for generated pairs.")
+
+
+def build_pair_stream(cfg, tokenizer) -> PairStream:
+    """Every pair of --data, tokenized and checked against --seq-len before any weight loads."""
+    src = parse_source(cfg.data, seed=cfg.seed, data_config=cfg.data_config)
+    return PairStream.build(src, tokenizer, cfg.seq_len, packing=cfg.packing)
+
+
+def load_reference(cfg, checked, device, layout: ParallelLayout):
+    """The frozen copy as a DeepSpeed ZeRO-3 engine without optimizer, or None for the adapters-off reference."""
+    if reference_kind(cfg) != "copy":
+        return None
+    import deepspeed
+
+    hf_model = load_model(cfg.model, checked.model_config, checked.dtype, cfg.seed, device, checked.ds_config)
+    wrapper = SequenceParallelCausalLM(hf_model.requires_grad_(False), layout, kernel=cfg.kernel,
+                                       attention_head_groups=cfg.attention_head_groups, checkpointing=False,
+                                       offload=False)
+    config = {k: v for k, v in checked.ds_config.items() if k not in ("optimizer", "scheduler")}
+    config["zero_optimization"] = {k: v for k, v in config.get("zero_optimization", {}).items()
+                                   if k != "offload_optimizer"}
+    engine, *_ = deepspeed.initialize(model=wrapper, config=config, mpu=layout.mpu)
+    engine.eval()
+    return engine
+
+
+class DPOStep:
+    """One micro step's DPO loss for a sequence of pairs: (loss, metrics, completion tokens, documents, padding)."""
+
+    def __init__(self, cfg, layout: ParallelLayout, vocab_size: int, pad_token_id: int, reference=None):
+        self.loss = PreferenceLoss(cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing)
+        self.layout, self.seq_len, self.vocab_size, self.pad_token_id = layout, cfg.seq_len, vocab_size, pad_token_id
+        self.reference = reference
+
+    def __call__(self, engine, pairs, device):
+        batch = shard_pairs(pairs, self.layout, seq_len=self.seq_len, vocab_size=self.vocab_size,
+                            pad_token_id=self.pad_token_id).to(device)
+        ref_logps = reference_log_probs(engine, batch, self.reference)
+        loss, metrics = self.loss(engine(**batch.as_kwargs()), ref_logps, batch)
+        completion = sum(batch.chosen_tokens) + sum(batch.rejected_tokens)
+        return (loss, {METRICS[k]: v for k, v in metrics.items() if k in METRICS},
+                torch.tensor(completion, device=device), batch.n_documents, self.seq_len - batch.batch.seq_len)
+
+
+def mean_metrics(per_micro: list[dict], layout: ParallelLayout) -> dict:
+    """The step's metrics: means over its micro steps and DP groups (the same on every rank of an SP group)."""
+    keys = list(per_micro[0])
+    values = torch.stack([torch.stack([m[k].float() for k in keys]) for m in per_micro]).mean(0)
+    if layout.dp_size > 1:
+        torch.distributed.all_reduce(values, group=layout.dp_group)
+        values /= layout.dp_size
+    return dict(zip(keys, values.tolist()))
+
+
+__all__ = ["DPOStep", "METRICS", "build_pair_stream", "check_pair_source", "load_reference", "mean_metrics",
+           "reference_kind"]

@@ -1,0 +1,130 @@
+"""--resume and the flags: each setting a resume does not name is the saved run's; each one it names and changes
+either applies, with a line saying what changed, or is refused with the reason. None is ignored.
+
+  resolve(cfg)         the settings of a resume, before any check: (the TrainConfig, {field: (was, now)} applied)
+  check_kept(...)      ValueError for a change of what the checkpoint's state depends on (KEPT)
+  change_lines(...)    the start-up lines of the applied changes (--steps: the schedule's own, schedule.py)
+  record_resume(...)   run.json: the settings now, and one entry per resume (its step and changes)
+  saved_settings(out)  what run.json holds
+
+A run's settings are its run.json (written at the start, rewritten at each resume). From the command line only the
+flags given are "named" (TrainConfig.flags_given); from code every field is, so a resume from code passes the
+config of the run it continues.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+from .config import TrainConfig
+from .run_state import RUN_FILE
+
+# What the checkpoint's state depends on: a change is refused, with why.
+_DATA = "the data position counts windows of this data and its tokenization"
+KEPT = {
+    "model": "the weights continue from this model's",
+    "seq_len": _DATA, "data": _DATA, "text_column": _DATA, "data_config": _DATA, "loss_on": _DATA,
+    "packing": _DATA, "long_samples": _DATA,
+    "seed": "the seed orders the data, and the RNG continues from the checkpoint's",
+    "lora_r": "the adapters are the trained state", "lora_targets": "the adapters are the trained state",
+    "lora_alpha": "the adapters' scale is part of what they learned",
+    "lora_dropout": "the adapters trained with this dropout; a resume continues, it does not change the recipe",
+    "yarn_factor": "the weights trained with these RoPE positions",
+    "rope_scaling": "the weights trained with these RoPE positions",
+    "ds_config": "the optimizer state was saved in this config's form (precision, optimizer, offload)",
+    "lr_schedule": "the schedule continues from the checkpoint's; change --lr or --steps instead",
+    "warmup_steps": "the schedule continues from the checkpoint's; change --lr or --steps instead",
+    "min_lr_ratio": "the schedule continues from the checkpoint's; change --lr or --steps instead",
+    "method": "the data position counts this method's sequences (pairs for dpo)",
+    "dpo_beta": "the preference objective continues as it trained", "dpo_loss": "the preference objective continues "
+    "as it trained", "dpo_label_smoothing": "the preference objective continues as it trained",
+    "dpo_reference": "the rewards are measured against this reference",
+}
+# Applied from the resumed step on; the line says what changes (None: another module says it).
+APPLIED = {
+    "lr": "the schedule goes on at the new peak lr (the step's factor x the new --lr)",
+    "steps": None,  # the schedule's extension says how (schedule.Schedule.extend)
+    "weight_decay": "AdamW's weight decay from here",
+    "save_every": "checkpoints from here", "keep_checkpoints": "checkpoints kept from here",
+    "cache_dir": "the token cache folder (the tokens are the same)",
+    "tensorboard": "TensorBoard logging from here", "wandb_project": "W&B reporting from here",
+    "export": "the export at the end", "export_merged": "the export at the end",
+    "node_timeout_s": "the failure watch",
+    "kernel": "the same attention by another kernel", "attention_head_groups": "the same attention, grouped otherwise",
+    "keep_on_gpu": "the memory plan", "recompute_layers": "the memory plan", "cache_attention_layers": "the memory plan",
+}
+# Applied too; the resume line says what was resharded or changed (run_state.resume_line).
+LAYOUT = ("sp_size", "sp_placement", "global_batch")
+# How this launch runs, not what the run is: never taken from the saved run.
+INVOCATION = ("output_dir", "resume", "dry_run", "world_size", "gpus_per_node", "gpu_memory_gb", "host_memory_gb",
+              "max_seq_len", "flags_given")
+
+
+def _flag(field: str) -> str:
+    return "--" + {"wandb_project": "wandb", "export": "no-export"}.get(field, field.replace("_", "-"))
+
+
+def resolve(cfg: TrainConfig, out: Path | None) -> tuple[TrainConfig, dict]:
+    """cfg with every setting it does not name taken from `out`'s run.json, and the named changes that apply, as
+    {field: (saved, now)}. ValueError for a change of a KEPT setting. Not a resume, or no run.json: cfg as it is."""
+    saved = saved_settings(out) if cfg.resume and out is not None else None
+    if saved is None:
+        return cfg, {}
+    named = set(f.name for f in fields(cfg)) if cfg.flags_given is None else set(cfg.flags_given)
+    taken = {f.name: saved[f.name] for f in fields(cfg)
+             if f.name in saved and f.name not in named and f.name not in INVOCATION + LAYOUT}
+    cfg = replace(cfg, **taken)
+    check_kept(cfg, saved, out)
+    changed = {f: (saved[f], getattr(cfg, f)) for f in APPLIED if f in saved and saved[f] != getattr(cfg, f)}
+    return cfg, changed
+
+
+def check_kept(cfg: TrainConfig, saved: dict, out: Path) -> None:
+    """ValueError naming the first KEPT setting of `cfg` that differs from the saved run's."""
+    before_lora = {"lora_r": 0, "lora_targets": "all"}  # a run.json written before the LoRA flags
+    for field, why in KEPT.items():
+        was = saved.get(field, before_lora.get(field, getattr(cfg, field)))
+        if was != getattr(cfg, field):
+            raise ValueError(
+                f"--resume: the checkpoint in {out} was trained with {field}={was!r}, not {getattr(cfg, field)!r}; "
+                f"resume with the same settings or use another --output-dir ({_flag(field)} cannot change on a "
+                f"resume: {why}).")
+
+
+def change_lines(changed: dict) -> list[str]:
+    """One line per applied change whose line is said here."""
+    lines = []
+    for field, (was, now) in changed.items():
+        if APPLIED[field] is not None:
+            lines.append(f"{_flag(field)} {was!r} -> {now!r} on resume: {APPLIED[field]}")
+    return lines
+
+
+def record_resume(out: Path, cfg: TrainConfig, step: int, changed: dict, sp_size: int, world_size: int) -> None:
+    """Rewrite run.json with the settings now and one more entry in its "resumes". One rank per folder."""
+    saved = saved_settings(out) or {}
+    entry = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sp_size": sp_size, "world_size": world_size,
+             "changed": {f: [was, now] for f, (was, now) in changed.items()}}
+    record = {**asdict(cfg), "sp_size": sp_size, "world_size": world_size,
+              "resumes": [*saved.get("resumes", []), entry]}
+    tmp = out / ".run.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    tmp.replace(out / RUN_FILE)  # a crash leaves the old record or the new one, never half
+
+
+def saved_settings(out: Path) -> dict | None:
+    """The settings in `out`'s run.json, or None."""
+    run_file = out / RUN_FILE
+    return json.loads(run_file.read_text()) if run_file.is_file() else None
+
+
+def _classified() -> None:
+    every = set(KEPT) | set(APPLIED) | set(LAYOUT) | set(INVOCATION)
+    missing = [f.name for f in fields(TrainConfig) if f.name not in every]
+    assert not missing, f"TrainConfig fields without a rule on --resume (resume.py): {missing}"
+
+
+_classified()
