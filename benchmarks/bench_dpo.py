@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
@@ -49,7 +50,6 @@ def main() -> None:
     import psutil
     from transformers import AutoModelForCausalLM
 
-    from tests.test_memory_prediction import qwen3_config
     from ulysses_lc import IGNORE_INDEX, MemoryPlan, ModelShape, ParallelLayout, SequenceParallelCausalLM, shard_batch
     from ulysses_lc.distributed import init_distributed
     from ulysses_lc.ds_config import check_deepspeed_config, load_deepspeed_config
@@ -58,6 +58,14 @@ def main() -> None:
     from ulysses_lc.sizing import Job, Limits
     from ulysses_lc.train.estimate import plan_reservations
     from ulysses_lc.yarn import apply_yarn
+
+    from common import SHAPES
+    from transformers import Qwen3Config
+
+    def qwen3_config(name, layers):  # the public shapes (common.py), random weights: no download
+        kwargs = dict(SHAPES[name], max_position_embeddings=40960, rope_theta=1e6)
+        kwargs["num_hidden_layers"] = layers or kwargs["num_hidden_layers"]
+        return Qwen3Config(**kwargs)
 
     doc = args.prompt + args.completion
     config = apply_yarn(qwen3_config(args.shape, args.layers), 2 * doc)
