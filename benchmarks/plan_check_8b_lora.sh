@@ -3,10 +3,12 @@
 # Qwen3-8B shape with LoRA r 16 at 262,144 tokens and --host-memory-gb 128, random weights in a local folder (the
 # GPU machine has no network). Prints both plan lines, the job's predicted host memory on the node and the node's
 # peak used memory (sampled every 0.5 s over the whole job), and whether they agree.
-# Usage: bash benchmarks/plan_check_8b_lora.sh OUT_DIR [STEPS]
+# Usage: bash benchmarks/plan_check_8b_lora.sh OUT_DIR [STEPS] [RUN_DIR]   (RUN_DIR: the run's folder, default
+# OUT_DIR/run; its checkpoint holds the adapters and their optimizer state, ~0.7 GB)
 set -euo pipefail
 out=${1:?output dir}
 steps=${2:-1}
+run_dir=${3:-$out/run}
 model=/tmp/qwen3-8b-shape
 mkdir -p "$out"
 python3 - "$model" <<'PY'
@@ -24,7 +26,7 @@ tiny_tokenizer().save_pretrained(sys.argv[1])  # byte-level ids are valid ids of
 PY
 export HF_HUB_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 flags=(--model "$model" --data tiny --seq-len 262144 --lora-r 16 --host-memory-gb 128 --lr 1e-5 --steps "$steps"
-       --no-export --output-dir "$out/run" --cache-dir "$out/cache")
+       --no-export --output-dir "$run_dir" --cache-dir "$run_dir.cache")
 python3 -m ulysses_lc.train --dry-run "${flags[@]}" 2>&1 | tee "$out/dry_run.log"
 # The node's used memory as the step line's "node" figure reads it (psutil), its peak over the job.
 python3 -c "

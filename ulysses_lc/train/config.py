@@ -16,6 +16,7 @@ from ..explicit_attention import valid_head_groups
 from ..data.settings import DataSettings
 from ..kernels import KERNELS
 from ..layout import PLACEMENTS
+from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
 
 TINY = "tiny"
@@ -197,7 +198,8 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = TINY_DEFAULTS
-    p.add_argument("--model", help=f"hub name or local folder, or 'tiny' (default {d.model}; tiny without GPUs)")
+    p.add_argument("--model", help=f"hub name or local folder, or an embedded model: {', '.join(TINY_MODELS)} (default "
+                                   f"{d.model}; tiny without GPUs)")
     p.add_argument("--seq-len", type=int,
                    help=f"tokens per sequence, one sequence per step (default {d.seq_len:,}; tiny or without GPUs: "
                         f"{t['seq_len']:,})")
@@ -312,7 +314,7 @@ def parse_args(argv=None) -> TrainConfig:
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
     no_gpu = not torch.cuda.is_available()
-    tiny = args["model"] == TINY or (args["model"] is None and no_gpu)
+    tiny = args["model"] in TINY_MODELS or (args["model"] is None and no_gpu)
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
     values = {k: (v if v is not None else defaults.get(k, getattr(d, k))) for k, v in args.items()}
     return TrainConfig(**values, flags_given=_given(argv))

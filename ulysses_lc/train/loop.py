@@ -164,7 +164,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
         logger.info(startup_block(
             out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
             kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
-            limits_line=limits_line, node=node_line(estimate, ranks_here, beside) if limits else None,
+            limits_line=limits_line, deltanet=model.deltanet,
+            node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "less device memory is free now than the limits leave (another process "
                                              "on this GPU?); the dry run's plan would not fit"))
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
