@@ -79,7 +79,7 @@ class TrainConfig:
     dpo_beta: float = 0.1
     dpo_loss: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
-    dpo_reference: str = "auto"  # auto | copy | adapters (train/preference_step.py)
+    dpo_reference: str = "auto"  # auto | copy | adapters | precomputed (train/preference_step.py)
 
     @property
     def packed_documents(self) -> bool:
@@ -155,8 +155,8 @@ class TrainConfig:
         from ..preference import PreferenceLoss
 
         PreferenceLoss(self.dpo_beta, self.dpo_loss, self.dpo_label_smoothing)  # its ValueError names the setting
-        if self.dpo_reference not in ("auto", "copy", "adapters"):
-            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy or adapters.")
+        if self.dpo_reference not in ("auto", "copy", "adapters", "precomputed"):
+            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy, adapters or precomputed.")
         if self.dpo_reference == "adapters" and not self.lora_r:
             raise ValueError("--dpo-reference adapters is the model with its LoRA adapters off: add --lora-r (e.g. "
                              "16), or use --dpo-reference copy for a full fine-tune.")
@@ -299,9 +299,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--dpo-loss", choices=["sigmoid", "ipo"], default=d.dpo_loss, help="the preference loss")
     p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
                    help="sigmoid: the probability of a flipped preference (cDPO), in [0, 0.5)")
-    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters"], default=d.dpo_reference,
-                   help="the reference model: a frozen copy, or the model with its LoRA adapters off (auto: adapters "
-                        "with --lora-r, else copy)")
+    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters", "precomputed"], default=d.dpo_reference,
+                   help="the reference model: a frozen copy, the model with its LoRA adapters off, or precomputed "
+                        "(the model as loaded, run once over the data before training, kept in the token cache; no "
+                        "second model, no reference forward per step). auto: adapters with --lora-r, else copy")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

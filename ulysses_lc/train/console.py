@@ -109,6 +109,9 @@ def reference_line(cfg, estimate) -> str:
     head = f"DPO {cfg.dpo_loss}, beta {cfg.dpo_beta:g}; two documents per pair (prompt + chosen | prompt + rejected)"
     if reference_kind(cfg) == "adapters":
         return f"reference the model with its LoRA adapters off: no second model; {head}"
+    if reference_kind(cfg) == "precomputed":
+        return ("reference precomputed: the model as loaded" + (" with its adapters off" if cfg.lora_r else "")
+                + f", once over the data before training, kept in the token cache: no second model; {head}")
     size = "" if job is None else (f": {job.reference_params / 1e6:,.1f} M params, "
                                    f"{2 * job.reference_params / job.world_size / GB:.2f} GB per rank of bf16 weights "
                                    "in the state below")
