@@ -220,15 +220,17 @@ def optimizer_reserved_bytes(trainable_params: int, world_size: int) -> int:
 
 
 def attention_policy(shape: ModelShape, kernel: str, head_groups: int | str = "auto",
-                     packed: bool = False) -> tuple[bool, int | str]:
+                     packed: bool = False, explicit_ok: bool = True) -> tuple[bool, int | str]:
     """(whether checkpointed layers may keep their attention output, the head groups the plan counts on): the
     one rule the plan, the dry run and the start-up estimate share.
 
     Kept outputs and head groups need a kernel we call ourselves (an SDPA one) and no dropout. Packed documents
     run their attention per document (kernels.document_attention): no kept outputs, so none are planned (their
     memory goes to layers that skip the recompute), and no head groups, so the kernel's backward block is
-    reserved whole (the per-document and variable-length kernels hold at most that)."""
-    ours = can_keep_attention(shape, kernel)
+    reserved whole (the per-document and variable-length kernels hold at most that). explicit_ok: False where no
+    explicit kernel took this model's call on this device (`SequenceParallelCausalLM.probe_attention`): the plan
+    is made for the kernel actually used."""
+    ours = can_keep_attention(shape, kernel) and explicit_ok
     return ours and not packed, head_groups if ours and not packed else 1
 
 
@@ -257,7 +259,7 @@ def measure_free_memory(device: torch.device, layout: ParallelLayout) -> tuple[i
 def plan_step_memory(
     shape: ModelShape, seq_len: int, layout: ParallelLayout, device: torch.device, *, kernel: str = "auto",
     head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0, packed: bool = False,
-    budget: tuple[float, float] | None = None, long_documents: bool = False,
+    budget: tuple[float, float] | None = None, long_documents: bool = False, explicit_ok: bool = True,
 ) -> MemoryPlan:
     """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
     allocated (`optimizer_reserved_bytes` before the first step), ZeRO-3's gathered weights during the step and
@@ -270,8 +272,9 @@ def plan_step_memory(
     the node's share, the node's launcher counted), not what is free at this moment. Without CUDA the budget plans as
     on a GPU of that size; without budget and CUDA every layer is checkpointed and offloaded, attention outputs kept
     where the kernel allows (on a CPU that only exercises the paths). Drivers call it through
-    `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload."""
-    keep_attention, groups = attention_policy(shape, kernel, head_groups, packed)
+    `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload, and
+    whether its start-up probe found an explicit kernel (`attention_policy`'s explicit_ok)."""
+    keep_attention, groups = attention_policy(shape, kernel, head_groups, packed, explicit_ok)
     if device.type != "cuda" and budget is None:
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
     if device.type == "cuda":
