@@ -121,6 +121,23 @@ def resolve_deltanet_kernel(kernel: str, device: torch.device) -> tuple[str, str
     return "fla", "fla-core"
 
 
+# Device bytes one gated DeltaNet layer's recurrence holds at its peak (forward + backward), per token of the whole
+# sequence and per value head a rank runs, the layer's inputs q, k, v, a, b included. Measured on an H200 at 262,144
+# tokens with 32 value heads of 128 (benchmarks/bench_deltanet.py, 2026-12-01): the torch path 123.5 GB forward +
+# backward; fla's forward alone 43.0 GB (5.1 KB; its backward is refused there, not measured). The memory plan prices
+# the torch path, the one that trains on that GPU.
+RECURRENCE_BYTES_PER_HEAD_TOKEN = 14_700
+
+
+def recurrence_block_bytes(shape, seq_len: int, sp_size: int) -> int:
+    """Device bytes of one gated DeltaNet layer's recurrence on one rank (its value heads over the whole padded
+    sequence), 0 for a model without such layers; a `shape.ModelShape`."""
+    if not shape.linear_layers:
+        return 0
+    s_pad = -(-seq_len // sp_size) * sp_size
+    return s_pad * (shape.linear_heads[1] // sp_size) * RECURRENCE_BYTES_PER_HEAD_TOKEN
+
+
 def _segments(bounds, s: int):
     return [(0, s)] if bounds is None else list(zip(bounds[:-1], bounds[1:]))
 
@@ -324,4 +341,5 @@ def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto"
 
 
 __all__ = ["DELTANET_KERNELS", "GatedDeltaNetMixer", "LINEAR_MODEL_TYPES", "check_linear_heads",
-           "install_linear_attention", "is_gated_deltanet", "resolve_deltanet_kernel", "valid_linear_sp_sizes"]
+           "install_linear_attention", "is_gated_deltanet", "recurrence_block_bytes", "resolve_deltanet_kernel",
+           "valid_linear_sp_sizes"]

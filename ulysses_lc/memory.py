@@ -24,6 +24,7 @@ from .attention import kept_output_bytes_per_token
 from .chunked_loss import auto_chunk_rows, loss_head_bytes
 from .explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
 from .layout import ParallelLayout
+from .linear_attention import recurrence_block_bytes
 from .memory_model import ALLOCATOR_SLACK, HOST_HEADROOM, StepTerms, zero3_working_bytes
 from .shape import ModelShape
 from .window_attention import band_bytes_per_token
@@ -161,10 +162,15 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
     groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
                                                                              shape.head_dim)
     block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
+    # Layers run one at a time: the larger of the attention backward's block and a gated DeltaNet's recurrence, which
+    # a plain layer also stores from its forward (its share of the layers, as the plain layers are any of them).
+    recurrence = recurrence_block_bytes(shape, seq_len, sp_size)
+    block = max(block, recurrence)
+    recurrence_share = recurrence * sum(shape.linear_layers) / shape.layers
     output = seq_local * kept_output_bytes_per_token(shape)
     chunk = auto_chunk_rows(shape.vocab) * shape.vocab * 4  # one chunk's fp32 logits, inside loss_head_bytes
     return StepTerms.fitted(
-        layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape),
+        layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape) + recurrence_share,
         # Window / sink layers: the band's own copies (window_attention.py) join the working set.
         working_formula=seq_local * (working_set_bytes_per_token(shape)
                                      + (band_bytes_per_token(shape) if shape.layer_windows or shape.sinks else 0)),
