@@ -131,14 +131,15 @@ class SequenceParallelCausalLM(nn.Module):
                   and id(p) not in skip}
         return sum(getattr(p, "ds_numel", p.numel()) for p in params.values())
 
-    def plan_step(self, seq_len: int, device: torch.device, *, packed: bool = False,
+    def plan_step(self, seq_len: int, device: torch.device, *, packed: bool = False, long_documents: bool = False,
                   reserved_bytes: int | None = None, budget: tuple[float, float] | None = None) -> MemoryPlan:
         """The memory plan for steps of `seq_len` tokens (the whole sequence, over the SP group) from the memory
         free now on every rank, with this model's kernel, head groups and offload setting (memory.plan_step_memory).
         Collective on CUDA: every rank calls it, and gets the same plan. Call it after `deepspeed.initialize`
         (ZeRO-3's partitions then exist) and hand the result to `use_plan`.
 
-        packed: the steps train packed documents (no kept attention outputs, the kernel block whole).
+        packed: the steps train packed documents (no kept attention outputs, the kernel block whole);
+            long_documents: each at least kernels.DOCUMENT_VARLEN_TOKENS long (DPO's pairs: memory.step_terms).
         reserved_bytes: memory still to be allocated; None reserves AdamW's moments, which come at the first step
             (memory.optimizer_reserved_bytes over the trainable parameters); 0 once the optimizer state exists.
         budget: (device, host) bytes at most, the dry run's for the run's limits (sizing.Job.budget).
@@ -147,7 +148,8 @@ class SequenceParallelCausalLM(nn.Module):
             reserved_bytes = optimizer_reserved_bytes(self.num_parameters(only_trainable=True), self.layout.world_size)
         return plan_step_memory(self.shape, seq_len, self.layout, device, kernel=self.attention.kernel,
                                 head_groups=self.attention.head_groups, offload=self.offload,
-                                reserved_bytes=reserved_bytes, packed=packed, budget=budget)
+                                reserved_bytes=reserved_bytes, packed=packed, budget=budget,
+                                long_documents=long_documents)
 
     @staticmethod
     def plain_name(name: str) -> str:

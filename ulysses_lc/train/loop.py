@@ -154,7 +154,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
     ranks_here = layout.ranks_on_node()
     job = job_for(cfg, checked, num_params, ranks_here)
     reserve = plan_reservations(job, limits) if limits else {}
-    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, **reserve).with_overrides(
+    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, long_documents=cfg.long_documents,
+                            **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
     estimate = estimate_memory(cfg, checked, plan, num_params, limits, ranks_here)
