@@ -17,21 +17,45 @@ import torch
 from tests._dist import run_shared
 from tests.models import LINEAR_FAMILIES, build, tiny_config
 from tests.test_sp_parity import GRAD_RTOL, LOSS_RTOL, NO_LEVERS, assert_close, make_sequence
+from tests.test_window_parity import ALL_LEVERS
 from ulysses_lc import ParallelLayout, check_model_for_ulysses, SequenceParallelCausalLM, reduce_gradients, shard_batch
 
 SEQ = 37
 DOCS = (13, 9, 15)  # at sp 4 (shards of 10) the first and last cross a shard border
 STARTS = (0, 13, 22)
 
-CASES = [(sp, f, None, NO_LEVERS) for sp in (4, 2) for f in LINEAR_FAMILIES]
-CASES += [(sp, f, DOCS, NO_LEVERS) for sp in (4, 2) for f in LINEAR_FAMILIES]
+# YaRN over a trained length of 16 on the full-attention layers' partial rotary dims (factor 4 for 64 tokens).
+YARN = (("max_position_embeddings", 16), ("yarn_to", 64))
+
+CASES = [(sp, f, None, NO_LEVERS, ()) for sp in (4, 2) for f in LINEAR_FAMILIES]
+CASES += [(sp, f, DOCS, NO_LEVERS, ()) for sp in (4, 2) for f in LINEAR_FAMILIES]
+# Every lever: chunked loss, tiled MLP (the MoE blocks with their shared expert and its gate), checkpoints offloaded,
+# the bf16-saving norms in the "1 + weight" and gated forms; with YaRN, and with packed documents.
+CASES += [(2, f, None, ALL_LEVERS, YARN) for f in LINEAR_FAMILIES] + [(2, "qwen3_next", DOCS, ALL_LEVERS, ())]
+# LoRA on the attention and MLP projections (`--lora-targets all`): the DeltaNet's own weights frozen.
+CASES += [(2, "qwen3_5", None, ALL_LEVERS, (("lora", True),))]
+
+
+def build_case(family, overrides):
+    overrides = dict(overrides)
+    if not overrides.pop("lora", False):
+        return build(family, **overrides)
+    from peft import get_peft_model
+
+    from ulysses_lc.peft_support import lora_config
+
+    model = build(family, **overrides)
+    torch.manual_seed(1)
+    config = lora_config(4, 8)
+    config.init_lora_weights = False  # random A and B: every adapter gradient non-zero
+    return get_peft_model(model, config)
 
 
 @functools.lru_cache(maxsize=None)
-def reference(family, docs):
+def reference(family, docs, overrides=()):
     """Plain transformers: the whole sequence, or each document alone (losses combined token-weighted)."""
     input_ids, labels = make_sequence(SEQ, seed=7)
-    model = build(family)
+    model = build_case(family, overrides)
     pieces = [(0, SEQ)] if docs is None else [(a, a + n) for a, n in zip(STARTS, docs)]
     total, count = 0.0, 0
     for a, b in pieces:
@@ -47,9 +71,9 @@ def cases_worker(rank, world_size, cases):
     layouts = {sp: ParallelLayout.build(sp) for sp in sorted({case[0] for case in cases})}
     input_ids, labels = make_sequence(SEQ, seed=7)
     results = []
-    for sp, family, docs, levers in cases:
+    for sp, family, docs, levers, overrides in cases:
         layout = layouts[sp]
-        model = SequenceParallelCausalLM(build(family), layout, min_offload_bytes=0, **levers)
+        model = SequenceParallelCausalLM(build_case(family, overrides), layout, min_offload_bytes=0, **levers)
         batch = shard_batch(input_ids, layout, labels=labels, document_lengths=list(docs) if docs else None)
         loss = model(**batch.as_kwargs())
         loss.backward()
@@ -63,13 +87,17 @@ def cases_worker(rank, world_size, cases):
 
 def test_linear_families_equal_single_process():
     per_rank = run_shared(cases_worker, 4, CASES)
-    for (sp, family, docs, levers), *ranks in zip(CASES, *per_rank):
-        ref = reference(family, docs)
+    for (sp, family, docs, levers, overrides), *ranks in zip(CASES, *per_rank):
+        ref = reference(family, docs, overrides)
         for result in ranks:
             assert_close(*result, *ref)
         if docs is not None:  # the documents matter: the same results miss the unpacked sequence
             with pytest.raises(AssertionError):
-                assert_close(*ranks[0], *reference(family, None))
+                assert_close(*ranks[0], *reference(family, None, overrides))
+        if "yarn_to" in dict(overrides):  # so does YaRN, on the partial rotary dims
+            assert build(family, **dict(overrides)).config.rope_parameters["partial_rotary_factor"] == 0.5
+            with pytest.raises(AssertionError):
+                assert_close(*ranks[0], *reference(family, docs))
     assert (LOSS_RTOL, GRAD_RTOL) == (1e-5, 1e-4)
 
 
@@ -104,3 +132,23 @@ def test_torch_rule_in_segments_equals_one_call():
         results.append([out.detach()] + [x.grad for x in leaves])
     for got, want in zip(*reversed(results)):
         assert ((got - want).norm() / want.norm()) <= 1e-6
+
+
+def test_shape_counts_the_hybrid_layers():
+    # The memory plan and FLOPs read the model through ModelShape: a gated DeltaNet layer's own matmul weights (q, k,
+    # v, z, b, a in, out), no attention pairs, an O(s) recurrence, and its recurrence's bytes in the plan's block.
+    from ulysses_lc import ModelShape, model_flops_per_step
+    from ulysses_lc.linear_attention import RECURRENCE_BYTES_PER_HEAD_TOKEN, recurrence_block_bytes
+    from ulysses_lc.memory import step_terms
+
+    model = build("qwen3_5")
+    shape = ModelShape.from_config(model.config)
+    matmul = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2 and "conv1d" not in n)
+    assert shape.layer_matmul_params == matmul
+    assert shape.attention_pairs(100) == 100 * 100 / 2  # the one full-attention layer
+    assert shape.recurrence_flops(200) == 2 * shape.recurrence_flops(100) > 0
+    flops = model_flops_per_step(shape, 100)
+    assert flops.attention == 3 * (4 * 5000 * 4 * 8 + shape.recurrence_flops(100))
+    assert recurrence_block_bytes(shape, 37, 2) == 38 * 2 * RECURRENCE_BYTES_PER_HEAD_TOKEN  # 2 of 4 value heads
+    plain = step_terms(ModelShape.from_config(tiny_config("qwen3")), 37, sp_size=2)
+    assert step_terms(shape, 37, sp_size=2).recompute >= recurrence_block_bytes(shape, 37, 2) > plain.recompute

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..explicit_attention import valid_head_groups
 from ..data.settings import DataSettings
-from ..kernels import KERNELS
+from ..kernels import DOCUMENT_VARLEN_TOKENS, KERNELS
 from ..layout import PLACEMENTS
 from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
@@ -80,12 +80,19 @@ class TrainConfig:
     dpo_beta: float = 0.1
     dpo_loss: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
-    dpo_reference: str = "auto"  # auto | copy | adapters (train/preference_step.py)
+    dpo_reference: str = "auto"  # auto | copy | adapters | precomputed (train/preference_step.py)
 
     @property
     def packed_documents(self) -> bool:
         """Whether sequences are packed documents (packing, or DPO's two documents per pair): the memory plan's."""
         return self.packing or self.method == "dpo"
+
+    @property
+    def long_documents(self) -> bool:
+        """DPO without --packing: a sequence is one pair, two documents of about half of --seq-len at the longest,
+        each run by its own kernel call when that is at least DOCUMENT_VARLEN_TOKENS (kernels.document_attention),
+        which the memory model prices as an unpacked layer (memory.step_terms)."""
+        return self.method == "dpo" and not self.packing and self.seq_len >= 2 * DOCUMENT_VARLEN_TOKENS
 
     @property
     def data_settings(self) -> DataSettings:
@@ -159,8 +166,8 @@ class TrainConfig:
         from ..preference import PreferenceLoss
 
         PreferenceLoss(self.dpo_beta, self.dpo_loss, self.dpo_label_smoothing)  # its ValueError names the setting
-        if self.dpo_reference not in ("auto", "copy", "adapters"):
-            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy or adapters.")
+        if self.dpo_reference not in ("auto", "copy", "adapters", "precomputed"):
+            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy, adapters or precomputed.")
         if self.dpo_reference == "adapters" and not self.lora_r:
             raise ValueError("--dpo-reference adapters is the model with its LoRA adapters off: add --lora-r (e.g. "
                              "16), or use --dpo-reference copy for a full fine-tune.")
@@ -303,9 +310,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--dpo-loss", choices=["sigmoid", "ipo"], default=d.dpo_loss, help="the preference loss")
     p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
                    help="sigmoid: the probability of a flipped preference (cDPO), in [0, 0.5)")
-    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters"], default=d.dpo_reference,
-                   help="the reference model: a frozen copy, or the model with its LoRA adapters off (auto: adapters "
-                        "with --lora-r, else copy)")
+    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters", "precomputed"], default=d.dpo_reference,
+                   help="the reference model: a frozen copy, the model with its LoRA adapters off, or precomputed "
+                        "(the model as loaded, run once over the data before training, kept in the token cache; no "
+                        "second model, no reference forward per step). auto: adapters with --lora-r, else copy")
     p.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s,
                    help="on SIGTERM or SIGINT (a preemption, a time limit, Ctrl-C) or the launcher's end, every rank "
                         "stops at the next step boundary and saves a checkpoint; past this many seconds it exits "

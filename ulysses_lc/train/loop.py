@@ -26,7 +26,7 @@ import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
 from ..data.cache import default_cache_dir
-from ..distributed import init_distributed, world_size
+from ..distributed import init_distributed, seed_step, world_size
 from ..layout import ParallelLayout
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
@@ -43,7 +43,7 @@ from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics
+from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_kind, reference_path
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -162,7 +162,9 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
     ranks_here = layout.ranks_on_node()
     job = job_for(cfg, checked, num_params, ranks_here)
     reserve = plan_reservations(job, limits) if limits else {}
-    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, **reserve).with_overrides(
+    model.probe_attention(device, checked.dtype)  # a kernel that refuses this model's call is known before the plan
+    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, long_documents=cfg.long_documents,
+                            **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
     estimate = estimate_memory(cfg, checked, plan, num_params, limits, ranks_here)
@@ -179,6 +181,13 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
+
+    if dpo and reference_kind(cfg) == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
+        cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        hit = dpo_step.precompute(engine, stream, reference_path(cfg, checked, stream, cache), cache_files.writes, device)
+        if rank0:
+            logger.info("DPO reference log-probabilities of %d sequences %s the token cache", len(stream),
+                        "read from" if hit else "computed once, written to")
 
     start_step = 0
     if cfg.resume:
@@ -215,8 +224,10 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
+                seed_step(cfg.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
-                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device)
+                    window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
