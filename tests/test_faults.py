@@ -423,3 +423,58 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
     reference, resumed = run_shared(_reference_and_resume, 2, str(tmp_path), step + 2, kind="deepspeed")[0]
     np.testing.assert_allclose(logged[:step], losses_of(reference)[:step], rtol=1e-6)
     np.testing.assert_allclose(losses_of(resumed), losses_of(reference)[step:], rtol=1e-6)
+
+
+# -- blame (issue 30) ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "none"])
+def test_rank_0_killed_is_named_in_the_last_lines_on_every_launcher(tmp_path, launcher):
+    """SIGKILL of rank 0 (under DeepSpeed's launcher and by hand its process holds the job's store): the last lines
+    name it, by global rank, and the other rank exits within the hang guard (a collective's timeout otherwise)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests._dist import _free_port
+    from tests.test_run import LAUNCHERS, REPO, _env
+
+    args = ["--steps", "200", "--seq-len", "256", "--no-export", "--output-dir", "run"]
+    port = _free_port()
+    if launcher == "none":  # each rank started by hand, as a scheduler's own launch would
+        env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs = [subprocess.Popen([sys.executable, "-m", "ulysses_lc.train", *args], cwd=tmp_path,
+                                  env={**_env(), **env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        watched, rank0 = procs[1], psutil.Process(procs[0].pid)
+    else:
+        entry = [str(REPO / "examples" / "train_1m.py")] if launcher == "deepspeed" else ["-m", "ulysses_lc.train"]
+        procs = [subprocess.Popen([*LAUNCHERS[launcher](port), *entry, *args], cwd=tmp_path, env=_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+        watched = procs[0]
+    seen = []
+    for line in procs[0].stdout:
+        seen.append(line)
+        if line.startswith("step 3/"):
+            break
+    if launcher != "none":
+        ranks = [p for p in psutil.Process(procs[0].pid).children(recursive=True) if p.environ().get("RANK") == "0"
+                 and "train" in " ".join(p.cmdline())]
+        rank0 = ranks[-1]
+    pid = rank0.pid
+    rank0.kill()
+    out = (procs[0].stdout.read() if watched is procs[0] else watched.stdout.read())
+    for proc in procs:
+        proc.wait(timeout=120)  # a hang guard: without the watch the survivor waits out gloo's timeout
+        proc.stdout.close()
+    lines = [line for line in out.splitlines() if line.strip()]
+    ours = [i for i, line in enumerate(lines) if line.startswith("error (rank 0 on node 0, host ")
+            and f"rank 0 (pid {pid} on host" in line and "exited without a report" in line]
+    assert ours, out
+    if launcher == "torchrun":  # its closing summary, printed last, names the root cause by global rank
+        assert "rank      : 0 (local_rank: 0)" in "\n".join(lines[-6:]) and "SIGKILL" in lines[-2], lines[-8:]
+    elif launcher == "deepspeed":  # then launch.py's lines: "Killing subprocess" for each, and rank 0's exit code
+        assert ours[-1] >= len(lines) - 4 and lines[-1].endswith("exits with return code = -9"), lines[-6:]
+    else:
+        assert ours[-1] == len(lines) - 1, lines[-4:]  # the survivor's last line

@@ -1,17 +1,16 @@
 """A rank that fails on any node ends every rank of the job within seconds, and its cause is printed last on global
 rank 0's console (where the user looks) as well as on the node where it happened (issue 20).
 
-Why: torchrun, DeepSpeed's runner and srun each end the ranks of *their* node when one fails, nothing more. A rank that
-failed on node 1 left node 0 waiting in a collective (NCCL: its timeout, 30 min) or, on gloo, printing "lost contact"
-with no cause. The one channel every rank of every node has is the default process group's store (a TCPStore, hosted
-by node 0's torchrun agent or by rank 0), so reports travel through it.
+Why: launchers end the ranks of *their* node when one fails, nothing more: node 0 waited in a collective for a failed
+node 1 (NCCL: 30 min). Every rank of every node has the default group's store (a TCPStore, in node 0's torchrun agent
+or in rank 0), so reports travel through it.
 
 Contract (in a job of one process, all of it does nothing):
   start(failure, ...)  collective, right after the process group starts: gathers each rank's host, node, pid and
                        preflight outcome; where any rank's checks failed (a file on node 0's disk only), every rank
                        raises the same CheckFailed naming the first failing rank. Otherwise arms the watcher.
   JobWatch.stop(clean) at the end of train(), every path. clean: marks this rank done on the store (its exit is no
-                       fault) and restores SIGTERM; not clean (the process is failing): keeps the SIGTERM hook.
+                       fault), restores the signals; not clean (the process is failing): keeps their hook.
   publish(message)     a failing rank's report (rank, node, host, pid, message) on the store; the first one wins.
   await_cause(timeout) a rank that lost a peer runs the watcher's checks until one finds the cause and ends the
                        process, or `timeout` passes (the caller then says "lost contact").
@@ -19,21 +18,20 @@ Contract (in a job of one process, all of it does nothing):
 
 The watcher, one daemon thread per rank waking once a second (POLL_S), off the step's path:
   - every rank checks its node's peers' pids (psutil reads /proc). A peer gone without a report (SIGKILL, the OOM
-    killer): the lowest live rank of the node publishes "rank 5 (pid N on host h) exited without a report: ...".
+    killer): the lowest live rank of the node publishes "rank 5 (pid N on host h) exited without a report: ..."; rank
+    0's node peers read its report too where its process holds the store, to tell its own failure from a SIGKILL.
   - SIGTERM and SIGINT wake the thread through signal.set_wakeup_fd, even while the main thread waits in a collective.
     Launchers send SIGTERM to the siblings of a rank that died (torchrun within 0.1 s, before any poll could see the
-    death), so a sibling checks the pids then, reports, and exits. Without a dead peer or a report, it is a stop asked
-    of the run (stop.py): remembered for the loop's next step boundary, ended here past the grace period; a second
-    signal, or the launcher's death seen by a poll, the same way.
+    death), so a sibling checks the pids then, reports, and exits. Otherwise it is a stop asked of the run (stop.py),
+    as the launcher's death seen by a poll is: for the loop's next step boundary, ended here past the grace period.
   - only each node's lowest rank (its leader) talks to the store: it reads the report key and adds one to its node's
     heartbeat counter; rank 0 also reads every node's counter in one multi_get. 2 requests a second per node, not
     per rank: about 250 a second for 1000 ranks on 125 nodes.
-  - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary,
-    exits 1, and the launcher ends the node's other ranks. A report from this node is printed by its reporter.
-  - a node whose counter stays still for node_timeout_s has no rank left to report (power, network): rank 0 reports
-    it. This thread moves the counter, so a long step does not stop it.
-  - the store gone (node 0's launcher or rank 0 ended): the leader says so after SETTLE_S, time for a report of its own
-    node to print first, and exits. A store that hangs instead (a network partition) blocks the thread.
+  - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary
+    and exits 1 (the launcher ends the node's other ranks). A report from this node is printed by its reporter.
+  - a node whose counter stays still for node_timeout_s (no rank left to report: power, network): rank 0 reports it.
+  - the store gone (node 0's launcher or rank 0 ended): the leader says so after SETTLE_S (a report of its own node
+    prints first), and exits. A store that hangs instead (a network partition) blocks the thread.
 """
 
 from __future__ import annotations
@@ -199,6 +197,7 @@ class JobWatch:
         if gone:
             self._report_gone(gone)
         if not self.leader or self._store_lost_at is not None:
+            self._read_rank0s_report()
             self._after_store_lost()
             return
         try:
@@ -263,8 +262,8 @@ class JobWatch:
         if t.rank != min(r for r in t.local() if r not in gone):
             return
         known = self._known_report()
-        if known is not None or self._store_lost_at is not None:  # a cause reported already (maybe the peer's own),
-            self._end(known, speak=False)  # or node 0 ended (the store's host), its cause printed there
+        if known is not None or (self._store_lost_at is not None and 0 not in gone):  # reported (maybe by the peer),
+            self._end(known, speak=False)  # or node 0 ended, printed there; rank 0 gone here is this rank's to name
         r = gone[0]
         also = f" (and {', '.join(f'rank {g}' for g in gone[1:])})" if len(gone) > 1 else ""
         first = self._publish(self._report(
@@ -379,12 +378,23 @@ class JobWatch:
             record_for_launcher(report.line())
         if speak and report.by == t.rank:
             self._let_other_nodes_read()
-        if report is not None and not speak:
-            time.sleep(LINGER_S)  # this node's speaker exits first, and the launcher names it
+        if report is not None and (not speak or report.rank not in (None, t.rank) and not agent_hosts_store()):
+            time.sleep(LINGER_S)  # the node's speaker, or a dead peer, is seen to end first by the launcher naming it
         os._exit(code)
 
     def _let_other_nodes_read(self) -> None:
         """Where the store lives in this process (rank 0, under launchers other than torchrun), stay until every
         node's leader has polled it once, so that the report just published outlives this rank."""
-        if self.table.rank == 0 and self.table.num_nodes > 1 and self.store is not None and not agent_hosts_store():
+        if self.table.rank == 0 and len(self.table.pids) > 1 and self.store is not None and not agent_hosts_store():
             time.sleep(2 * POLL_S)
+
+    def _read_rank0s_report(self) -> None:
+        """Rank 0's node peers read its report too where rank 0 holds the store: it tells its failure from a SIGKILL."""
+        if self.table.node != self.table.nodes[0] or agent_hosts_store() or self._store_lost_at is not None:
+            return
+        try:
+            report = self._read_report()
+        except Exception:  # noqa: BLE001 - rank 0 ended, and its store with it
+            self._store_lost_at, report = time.monotonic(), None
+        if report is not None and self._own_node_report is None:
+            self._own_node_report = (report, time.monotonic())

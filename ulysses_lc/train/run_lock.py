@@ -5,7 +5,8 @@ interleave metrics.jsonl and mix one checkpoint's files with the other's. The fo
 one rank per copy of the folder, so node-local disks each lock their own copy and a shared folder has one) takes an
 exclusive flock on `.ulysses_lc-lock` before any work and holds it until train() ends; the kernel drops it when the
 process dies however it dies, so a lock file nobody holds that still names a holder is a dead run's, and the next
-run takes it over, saying whose it was (a run that ended empties the file). The file names the holder (host, pid, start time) for the refusal of a second job.
+run takes it over, saying whose it was (a run that ended empties the file). The file names the holder (host, pid,
+start time) for the refusal of a second job.
 
 flock reaches across nodes on NFS (through its lock manager) and Lustre mounted with -o flock; where the file
 system refuses locks (ENOLCK, EOPNOTSUPP) the run goes on with a warning that nothing guards the folder.

@@ -63,8 +63,12 @@ class StopRequest:
         code = int(flag.item())
         if not code:
             return None
-        if self.reason is None:
-            self.request("another rank was asked to stop", code)
+        every = [self.reason]  # once, at the stop: what each rank was asked, so every rank says the first one
+        if layout.world_size > 1:
+            every = [None] * layout.world_size
+            dist.all_gather_object(every, self.reason, group=layout.world_group)
+        first = next(r for r, reason in enumerate(every) if reason is not None)
+        self.reason, self.code = every[first] + (f" (rank {first})" if layout.world_size > 1 else ""), code
         return self.reason
 
 
