@@ -69,9 +69,15 @@ def linear_config(family, common):
     return config_class(decoder_sparse_step=1, mlp_only_layers=[], **moe, **common)
 
 
-def build(family: str, seed: int = 0, **overrides):
+def build(family: str, seed: int = 0, yarn_to: int | None = None, **overrides):
+    """The tiny model of `family`, fp32, in train mode; yarn_to: its RoPE planned for that many tokens (yarn.py)."""
+    config = tiny_config(family, **overrides)
+    if yarn_to is not None:
+        from ulysses_lc import apply_yarn
+
+        apply_yarn(config, yarn_to)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family in LINEAR_FAMILIES:
         # transformers draws the decay rates A from U(0.01, 16): a head with A ~ 16 forgets within a token, and its
         # A_log / dt_bias gradients (~1e-8) are fp32 rounding (2.6e-4 off float64's in the plain model itself).

@@ -79,3 +79,11 @@ def test_zero3_sp2_all_levers_matches_one_rank_plain():
     input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
     (single,) = run_shared(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_moe", kind="deepspeed")
     assert_same_run(run_shared(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_moe", kind="deepspeed"), single)
+
+
+def test_zero3_sp2_hybrid_all_levers_matches_one_rank_plain():
+    # A gated DeltaNet hybrid with MoE (Qwen3-Next): ZeRO-3 gathers the conv weight, which transformers' own forward
+    # reads without calling its module, through the conv1d module the exchange runs (linear_attention.py).
+    input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
+    (single,) = run_shared(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_next", kind="deepspeed")
+    assert_same_run(run_shared(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_next", kind="deepspeed"), single)

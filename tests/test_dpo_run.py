@@ -72,6 +72,21 @@ def test_dpo_lora_run_against_its_adapters_off(tmp_path):
     assert (tmp_path / "run" / EXPORT_DIR / "adapter_config.json").exists()
 
 
+def test_dpo_precomputed_reference_trains_as_the_copy_and_is_read_back_from_the_cache(tmp_path):
+    # The precomputed reference is the model as loaded, as the frozen copy is: the same trajectory, without the copy.
+    copy = run_shared(train_worker, 2, dpo_config(tmp_path, steps=3, export=False), kind="deepspeed")[0]
+    pre = dpo_config(tmp_path, steps=3, export=False, dpo_reference="precomputed", output_dir=str(tmp_path / "pre"))
+    first = run_shared(train_worker, 2, pre, kind="deepspeed")[0]
+    (cached,) = (tmp_path / "cache").glob("dpo-reference-*.pt")
+    mtime = cached.stat().st_mtime_ns
+    again = run_shared(train_worker, 2, replace(pre, output_dir=str(tmp_path / "again")), kind="deepspeed")[0]
+    assert cached.stat().st_mtime_ns == mtime  # read back, not computed again
+    for run in (first, again):
+        np.testing.assert_allclose([r["loss"] for r in run], [r["loss"] for r in copy], rtol=1e-6)
+        np.testing.assert_allclose([r["reward_margin"] for r in run], [r["reward_margin"] for r in copy],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def refused_worker(rank, world_size, cfg):
     try:
         train(cfg)
@@ -129,6 +144,7 @@ def test_dry_run_counts_the_reference_copy_or_its_absence():
     base = dict(model="tiny", data="tiny", seq_len=8192, dry_run=True, world_size=2, method="dpo")
     assert "reference a frozen copy, ZeRO-3 partitioned like the policy" in dry_run(TrainConfig(**base))
     assert "adapters off: no second model" in dry_run(TrainConfig(lora_r=4, **base))
+    assert "reference precomputed" in dry_run(TrainConfig(dpo_reference="precomputed", **base))
     cfg = TrainConfig(**base)
     checked = preflight(cfg, 2)
     n = count_params(checked.model_config)
@@ -137,6 +153,8 @@ def test_dry_run_counts_the_reference_copy_or_its_absence():
     dpo = job_for(cfg, checked, n).state_bytes()
     # The copy's bf16 partition, and the second document's fp32 head-gradient accumulator (the head trains).
     assert dpo[0] - sft[0] == 2 * -(-n // 2) + shape.vocab * shape.hidden * 4 and dpo[1] == sft[1]
+    precomputed = job_for(replace(cfg, dpo_reference="precomputed"), checked, n).state_bytes()
+    assert precomputed[0] - sft[0] == shape.vocab * shape.hidden * 4  # no copy
     lora = TrainConfig(lora_r=4, **base)
     checked = preflight(lora, 2)
     assert job_for(lora, checked, n).state_bytes() == job_for(replace(lora, method="sft"), checked, n).state_bytes()

@@ -209,3 +209,96 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_resumes(tmp_path)
         assert re.search(fragment, text), text
         # From step 2, steps 3 and 4 again: the uninterrupted run's (and step 4 saved anew).
         np.testing.assert_allclose(losses_of(result[case]), losses_of(result["full"])[2:], rtol=1e-6)
+
+
+# -- clear I/O errors (issue 30) -------------------------------------------------------------------------------
+
+def _disk_full_worker(rank, world_size, tmp, out, inject):
+    import errno
+    from dataclasses import replace
+
+    import torch
+
+    from tests.test_training import train_worker
+    from ulysses_lc.train import TrainConfig, train
+
+    os.chdir(tmp)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=2, cache_dir="cache",
+                      export=False, output_dir=out)
+    if not out.endswith("small/run"):  # the reference, on the roomy disk
+        return train_worker(rank, world_size, cfg)
+    save, fail = torch.save, []
+
+    def full_disk(obj, f, **kwargs):  # no tmpfs here: the disk fills up after step 2's checkpoint
+        if fail:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f, **kwargs)
+
+    torch.save = full_disk if inject else save
+    try:
+        train(cfg, on_step=lambda step, record: fail.append(step) if step == 2 else None)
+    except OSError as e:
+        return str(e)
+    finally:
+        torch.save = save
+    return "saved"
+
+
+def test_a_full_disk_names_the_folder_and_the_bytes_and_the_run_resumes(tmp_path):
+    import subprocess
+
+    from tests._dist import run_shared
+    from tests.test_training import losses_of, train_worker
+    from ulysses_lc.train import TrainConfig
+
+    small = tmp_path / "small"
+    small.mkdir()
+    # A 2.4 MB tmpfs where the machine allows it (root): the step-2 checkpoint (1.4 MB) fits, step 4's does not.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2400k", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    try:
+        reference = run_shared(_disk_full_worker, 2, str(tmp_path), str(tmp_path / "roomy"), False, kind="deepspeed")[0]
+        messages = run_shared(_disk_full_worker, 2, str(tmp_path), str(small / "run"), not mounted, kind="deepspeed")
+        for message in messages:  # every rank stops with the cause
+            assert re.match(rf"saving the checkpoint in {re.escape(str(small))}/run/checkpoints/step4 failed at "
+                            r"\S+\.pt: its file system is full \(ENOSPC\)\. Each rank writes about [\d.]+ KB \(fp32 "
+                            r"weights and optimizer moments\), the checkpoint about 1\.4 MB over 2 ranks; [\d.]+ \w+ "
+                            r"is free there\. To go on, free [\d.]+ \w+ or more there, lower --keep-checkpoints "
+                            r"\(now 2\), or pass another --output-dir; the previous checkpoint step2 is intact: "
+                            r"--resume continues from it\.", message), message
+        assert (small / "run" / "checkpoints" / "latest").read_text() == "step2"
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,size=8m", str(small)], check=True)
+        cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=2, cache_dir="cache",
+                          export=False, output_dir=str(small / "run"), resume=True)
+        resumed = run_shared(_resume_in, 2, str(tmp_path), cfg, kind="deepspeed")[0]
+        np.testing.assert_allclose(losses_of(resumed), losses_of(reference)[2:], rtol=1e-6)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)
+    from ulysses_lc.train import dry_run
+
+    text = dry_run(TrainConfig(model="tiny", data="tiny", seq_len=256, dry_run=True, world_size=2, host_memory_gb=8))
+    assert "disk      a checkpoint takes 1.4 MB (12 bytes per trained parameter" in text, text
+
+
+def _resume_in(rank, world_size, tmp, cfg):
+    from tests.test_training import train_worker
+
+    os.chdir(tmp)
+    return train_worker(rank, world_size, cfg)
+
+
+def test_read_only_and_quota_errors_name_the_cause_and_the_fix(tmp_path):
+    import errno
+
+    from ulysses_lc.train.checkpoint_files import save_failure
+
+    path = tmp_path / "run" / "checkpoints" / "step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    args = dict(rank_bytes=16 * 10**9, world_size=8, previous="step2", keep=2)
+    read_only = save_failure(path, OSError(errno.EROFS, "Read-only file system"), **args)
+    assert "its file system is read-only (EROFS" in read_only and "remount it read-write or pass another " \
+        "--output-dir" in read_only and "about 16.0 GB" in read_only and "about 128.0 GB over 8 ranks" in read_only
+    quota = save_failure(path, OSError(errno.EDQUOT, "Disk quota exceeded"), **args)
+    assert "the disk quota there is used up (EDQUOT; `quota -s` shows it)" in quota and "free " in quota
+    assert f"saving the checkpoint in {path.parent} failed at {path.name}" in quota

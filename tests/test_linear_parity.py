@@ -17,21 +17,28 @@ import torch
 from tests._dist import run_shared
 from tests.models import LINEAR_FAMILIES, build, tiny_config
 from tests.test_sp_parity import GRAD_RTOL, LOSS_RTOL, NO_LEVERS, assert_close, make_sequence
+from tests.test_window_parity import ALL_LEVERS
 from ulysses_lc import ParallelLayout, check_model_for_ulysses, SequenceParallelCausalLM, reduce_gradients, shard_batch
 
 SEQ = 37
 DOCS = (13, 9, 15)  # at sp 4 (shards of 10) the first and last cross a shard border
 STARTS = (0, 13, 22)
 
-CASES = [(sp, f, None, NO_LEVERS) for sp in (4, 2) for f in LINEAR_FAMILIES]
-CASES += [(sp, f, DOCS, NO_LEVERS) for sp in (4, 2) for f in LINEAR_FAMILIES]
+# YaRN over a trained length of 16 on the full-attention layers' partial rotary dims (factor 4 for 64 tokens).
+YARN = (("max_position_embeddings", 16), ("yarn_to", 64))
+
+CASES = [(sp, f, None, NO_LEVERS, ()) for sp in (4, 2) for f in LINEAR_FAMILIES]
+CASES += [(sp, f, DOCS, NO_LEVERS, ()) for sp in (4, 2) for f in LINEAR_FAMILIES]
+# Every lever: chunked loss, tiled MLP (the MoE blocks with their shared expert and its gate), checkpoints offloaded,
+# the bf16-saving norms in the "1 + weight" and gated forms; with YaRN, and with packed documents.
+CASES += [(2, f, None, ALL_LEVERS, YARN) for f in LINEAR_FAMILIES] + [(2, "qwen3_next", DOCS, ALL_LEVERS, ())]
 
 
 @functools.lru_cache(maxsize=None)
-def reference(family, docs):
+def reference(family, docs, overrides=()):
     """Plain transformers: the whole sequence, or each document alone (losses combined token-weighted)."""
     input_ids, labels = make_sequence(SEQ, seed=7)
-    model = build(family)
+    model = build(family, **dict(overrides))
     pieces = [(0, SEQ)] if docs is None else [(a, a + n) for a, n in zip(STARTS, docs)]
     total, count = 0.0, 0
     for a, b in pieces:
@@ -47,9 +54,9 @@ def cases_worker(rank, world_size, cases):
     layouts = {sp: ParallelLayout.build(sp) for sp in sorted({case[0] for case in cases})}
     input_ids, labels = make_sequence(SEQ, seed=7)
     results = []
-    for sp, family, docs, levers in cases:
+    for sp, family, docs, levers, overrides in cases:
         layout = layouts[sp]
-        model = SequenceParallelCausalLM(build(family), layout, min_offload_bytes=0, **levers)
+        model = SequenceParallelCausalLM(build(family, **dict(overrides)), layout, min_offload_bytes=0, **levers)
         batch = shard_batch(input_ids, layout, labels=labels, document_lengths=list(docs) if docs else None)
         loss = model(**batch.as_kwargs())
         loss.backward()
@@ -63,13 +70,17 @@ def cases_worker(rank, world_size, cases):
 
 def test_linear_families_equal_single_process():
     per_rank = run_shared(cases_worker, 4, CASES)
-    for (sp, family, docs, levers), *ranks in zip(CASES, *per_rank):
-        ref = reference(family, docs)
+    for (sp, family, docs, levers, overrides), *ranks in zip(CASES, *per_rank):
+        ref = reference(family, docs, overrides)
         for result in ranks:
             assert_close(*result, *ref)
         if docs is not None:  # the documents matter: the same results miss the unpacked sequence
             with pytest.raises(AssertionError):
-                assert_close(*ranks[0], *reference(family, None))
+                assert_close(*ranks[0], *reference(family, None, overrides))
+        if overrides:  # so does YaRN, on the partial rotary dims
+            assert build(family, **dict(overrides)).config.rope_parameters["partial_rotary_factor"] == 0.5
+            with pytest.raises(AssertionError):
+                assert_close(*ranks[0], *reference(family, docs))
     assert (LOSS_RTOL, GRAD_RTOL) == (1e-5, 1e-4)
 
 

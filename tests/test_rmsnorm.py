@@ -98,3 +98,46 @@ def test_temporaries_exist_one_chunk_at_a_time():
         y = RMSNormFunction.apply(x, weight, 1e-6, 5)
         torch.autograd.grad(y, (x, weight), g)
     assert LargestFp32.largest == 5 * 48
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_gated_norm_matches_transformers(dtype, tol):
+    # The gated DeltaNet's output norm (Qwen3.5's RMSNormGated): whole, and in row chunks of 7 (a ragged last one,
+    # whose SiLU and row means vectorize otherwise: 6e-8 apart in fp32).
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    from ulysses_lc.rmsnorm import GatedRMSNormFunction
+
+    torch.manual_seed(0)
+    norm = Qwen3_5RMSNormGated(16, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, gate = (torch.randn(3, 17, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    g = torch.randn(3, 17, 16, dtype=dtype)
+    ref = norm(x, gate)
+    want = torch.autograd.grad(ref, (x, gate, norm.weight), g)
+    for chunk in (None, 7):
+        out = GatedRMSNormFunction.apply(x, gate, norm.weight, norm.variance_epsilon, chunk)
+        got = torch.autograd.grad(out, (x, gate, norm.weight), g)
+        if chunk is None:
+            assert torch.equal(out, ref)  # the forward is the same computation
+        for a, b in zip((out, *got), (ref, *want)):
+            assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= tol
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_hybrid_norms_switched_loss_and_grads(family):
+    # Each family's "1 + weight" norms and the gated DeltaNet's gated norm, against the plain model.
+    ids = torch.randint(0, VOCAB, (1, 33))
+    plain = build(family)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    model = build(family)
+    undo = install_efficient_rmsnorm(model).undo
+    patched = [m for m in model.modules() if "forward" in m.__dict__]
+    assert len(patched) == 2 * 2 + 2 + 1 + 1  # two per layer, q/k norms, the gated norm, the final norm
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert abs(loss.item() - plain(input_ids=ids, labels=ids).loss.item()) <= 1e-6
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= 1e-5, name
+    undo()

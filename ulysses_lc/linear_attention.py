@@ -164,17 +164,12 @@ def _torch_rule(module, q, k, v, g, beta, bounds, segment: int = TORCH_SEGMENT_T
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _fla_conv_rule(x_bsc, weight_ck, bias_c, q_split, g, beta, bounds):
-    causal_conv1d, rule = _fla_ops()
-    cu = None
-    if bounds is not None:
-        if x_bsc.shape[0] != 1:
-            raise ValueError("packed documents train one sequence per step (batch 1).")
-        cu = torch.tensor(bounds, dtype=torch.long, device=x_bsc.device)
-    y, _ = causal_conv1d(x_bsc, weight_ck, bias_c, activation="silu", cu_seqlens=cu)
-    q, k, v = q_split(y)
-    out, _ = rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    return out
+def _fla_cu(bounds, x_bsc):
+    if bounds is None:
+        return None
+    if x_bsc.shape[0] != 1:
+        raise ValueError("packed documents train one sequence per step (batch 1).")
+    return torch.tensor(bounds, dtype=torch.long, device=x_bsc.device)
 
 
 # ---- the layer ----
@@ -205,27 +200,43 @@ class GatedDeltaNetMixer:
     def mix(self, module, q, k, v, b, a, bounds=None):
         """The layer between the exchanges, on this rank's heads over the whole sequence: q, k [b, s, hk_local, dk],
         v [b, s, hv_local, dv], b, a [b, s, hv_local] -> the recurrence's output [b, s, hv_local, dv]: the causal
-        conv + SiLU over q, k, v (this rank's channels of the conv weight), the gates, the gated delta rule; both
-        restart at each document's start (`bounds`, the whole sequence's)."""
-        channels = self.channels.to(q.device)
-        weight_ck = module.conv1d.weight.squeeze(1).index_select(0, channels)
-        bias_c = None if module.conv1d.bias is None else module.conv1d.bias.index_select(0, channels)
+        conv + SiLU over q, k, v (the layer's conv1d, running this rank's channels: `attach`), the gates, the gated
+        delta rule; both restart at each document's start (`bounds`, the whole sequence's)."""
         heads = self.value_heads.to(q.device)
         beta = b.sigmoid()
         g = -module.A_log.index_select(0, heads).float().exp() * F.softplus(
             a.float() + module.dt_bias.index_select(0, heads))
-        x_bsc = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+        y_bsc = module.conv1d(torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1), bounds)
         dk, dv = self.dims
-
-        def split(y_bsc):
-            yq, yk, yv = y_bsc.split(self.widths, dim=-1)
-            return (yq.unflatten(-1, (-1, dk)).contiguous(), yk.unflatten(-1, (-1, dk)).contiguous(),
-                    yv.unflatten(-1, (-1, dv)).contiguous())
-
-        if self.kernel == "fla" and x_bsc.is_cuda:
-            return _fla_conv_rule(x_bsc, weight_ck, bias_c, split, g, beta, bounds)
-        yq, yk, yv = split(_torch_conv(x_bsc, weight_ck, bias_c, bounds))
+        yq, yk, yv = y_bsc.split(self.widths, dim=-1)
+        yq, yk, yv = (yq.unflatten(-1, (-1, dk)).contiguous(), yk.unflatten(-1, (-1, dk)).contiguous(),
+                      yv.unflatten(-1, (-1, dv)).contiguous())
+        if self.kernel == "fla" and y_bsc.is_cuda:
+            rule = _fla_ops()[1]
+            return rule(yq, yk, yv, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=_fla_cu(bounds, y_bsc))[0]
         return _torch_rule(module, yq, yk, yv, g, beta, bounds)
+
+    def conv(self, conv1d, x_bsc, bounds=None):
+        """The forward `attach` gives the layer's conv1d: x_bsc [b, s, C_local] (this rank's q, k, v channels over the
+        whole sequence) -> causal depthwise conv + SiLU with those channels of its weight [C, 1, K]. Called as the
+        module, so ZeRO-3 gathers the weight around it, as for any module's own forward."""
+        channels = self.channels.to(x_bsc.device)
+        weight_ck = conv1d.weight.squeeze(1).index_select(0, channels)
+        bias_c = None if conv1d.bias is None else conv1d.bias.index_select(0, channels)
+        if self.kernel == "fla" and x_bsc.is_cuda:
+            return _fla_ops()[0](x_bsc, weight_ck, bias_c, activation="silu", cu_seqlens=_fla_cu(bounds, x_bsc))[0]
+        return _torch_conv(x_bsc, weight_ck, bias_c, bounds)
+
+    def attach(self, module) -> None:
+        """Run `module` (a gated DeltaNet layer) through this mixer: its forward and its conv1d's (undo: `detach`)."""
+        module._ulysses_original_forward = module.forward
+        module.forward = functools.partial(self, module)
+        module.conv1d.forward = functools.partial(self.conv, module.conv1d)
+
+    @staticmethod
+    def detach(module) -> None:
+        for owner, name in ((module, "forward"), (module, "_ulysses_original_forward"), (module.conv1d, "forward")):
+            owner.__dict__.pop(name, None)
 
     def projections(self, module, x_bse):
         """q, k [b, s_local, hk, dk], v, z [b, s_local, hv, dv], b, a [b, s_local, hv] before the convolution."""
@@ -286,8 +297,9 @@ def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto"
     each its own forward back, and `.kernel` / `.why` say which kernel runs them. A model without such layers gets a
     Handle that does nothing (kernel None).
 
-    Call it before `deepspeed.initialize`: each layer is marked a ZeRO-3 leaf module, so its parameters (the conv
-    weight, which no forward of its own uses, among them) are gathered once for the whole layer."""
+    ZeRO-3: the layer's own parameters (A_log, dt_bias) and its submodules' are gathered by their modules' hooks as
+    usual; the conv weight too, because the layer's conv1d is called as a module (`GatedDeltaNetMixer.conv`), which
+    transformers' own forward does not do."""
     mixers = [m for m in model.modules() if is_gated_deltanet(m)]
     handle = Handle(None, "gated DeltaNet")
     handle.kernel = handle.why = None
@@ -301,15 +313,11 @@ def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto"
         _check_layer(module)
         if "_ulysses_original_forward" in module.__dict__:
             raise ValueError("gated DeltaNet exchange is already installed; call the undo of the first install.")
-        mixer = GatedDeltaNetMixer(module, layout, handle.kernel)
-        module._ulysses_original_forward = module.forward
-        module.forward = functools.partial(mixer, module)
-        module._z3_leaf = True
+        GatedDeltaNetMixer(module, layout, handle.kernel).attach(module)
 
     def undo():
         for module in mixers:
-            for name in ("forward", "_ulysses_original_forward", "_z3_leaf"):
-                module.__dict__.pop(name, None)
+            GatedDeltaNetMixer.detach(module)
 
     handle._undo_fn = undo
     return handle

@@ -102,6 +102,8 @@ class SequenceParallelCausalLM(nn.Module):
                                               recompute=context)
         self.levers.append(attention)
         self.attention = attention.attention
+        linear = attention.linear  # the gated DeltaNet layers' kernel, for the start-up block (None: there are none)
+        self.deltanet = None if linear.kernel is None else f"{linear.kernel}: {linear.why}"
         if efficient_norm:
             self.levers.append(install_efficient_rmsnorm(lm))
         if chunked_loss:

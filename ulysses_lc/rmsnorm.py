@@ -17,6 +17,7 @@ import types
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .handle import Handle
@@ -101,6 +102,59 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None, None
 
 
+class GatedRMSNormFunction(torch.autograd.Function):
+    """The gated DeltaNet's output norm (Qwen3.5, Qwen3-Next `RMSNormGated`): (weight * x_hat.to(x dtype)) *
+    silu(gate in fp32), cast to x's dtype, per row of one head. Autograd would keep x and the gate in fp32, the
+    normalised row, the weighted row and silu(gate): 16 bytes an element in bf16; this saves x, the gate (their own
+    dtypes), weight and rstd [t, 1] fp32, and backward recomputes the rest, in row chunks as RMSNormFunction.
+    Sends nothing."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight_w, eps, chunk_rows=None):
+        width = x.shape[-1]
+        x_tw, gate_tw = x.reshape(-1, width), gate.reshape(-1, width)
+        chunk = chunk_rows or _rows_per_chunk(width)
+        y_tw = torch.empty_like(x_tw)
+        rstd_t1 = torch.empty(x_tw.shape[0], 1, dtype=torch.float32, device=x.device)
+        for start in range(0, x_tw.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            x_f = x_tw[rows].to(torch.float32)
+            rstd = torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + eps)
+            rstd_t1[rows] = rstd
+            y_tw[rows] = (weight_w * (x_f * rstd).to(x.dtype)) * F.silu(gate_tw[rows].to(torch.float32))
+        ctx.save_for_backward(x, gate, weight_w, rstd_t1)
+        ctx.chunk = chunk
+        return y_tw.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        x, gate, weight_w, rstd_t1 = ctx.saved_tensors
+        width = x.shape[-1]
+        x_tw, gate_tw, grad_tw = x.reshape(-1, width), gate.reshape(-1, width), grad_y.reshape(-1, width)
+        grad_x, grad_gate = torch.empty_like(x_tw), torch.empty_like(gate_tw)
+        grad_weight_f = torch.zeros(width, dtype=torch.float32, device=x.device)
+        for start in range(0, x_tw.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            rstd, dy = rstd_t1[rows], grad_tw[rows].to(torch.float32)
+            x_hat = x_tw[rows].to(torch.float32) * rstd
+            normed = x_hat.to(x.dtype)
+            weighted = weight_w * normed
+            g = gate_tw[rows].to(torch.float32)
+            sig = torch.sigmoid(g)
+            grad_gate[rows] = dy * weighted.to(torch.float32) * sig * (1 + g * (1 - sig))
+            grad_weighted = (dy * g * sig).to(weighted.dtype)
+            grad_weight_f += (grad_weighted * normed).sum(0, dtype=torch.float32)
+            grad_x_hat = (grad_weighted * weight_w).to(torch.float32)
+            proj = (grad_x_hat * x_hat).mean(-1, keepdim=True)
+            grad_x[rows] = (grad_x_hat - x_hat * proj) * rstd
+        return grad_x.view(x.shape), grad_gate.view(gate.shape), grad_weight_f.to(weight_w.dtype), None, None
+
+
+def _gated_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return GatedRMSNormFunction.apply(hidden_states, gate, self.weight, self.variance_epsilon)
+
+
 def _efficient_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
 
@@ -120,7 +174,9 @@ def _cast_after_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 _RMSNORM_FORMS = {
     **dict.fromkeys(("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
                      "Qwen3RMSNorm", "Qwen3MoeRMSNorm"), _efficient_forward),
-    "Gemma3RMSNorm": _gemma_forward,
+    # Qwen3.5 (dense and MoE) and Qwen3-Next: Gemma 3's "1 + weight" form; their gated DeltaNet's output norm.
+    **dict.fromkeys(("Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm"), _gemma_forward),
+    **dict.fromkeys(("Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "Qwen3NextRMSNormGated"), _gated_forward),
     "GptOssRMSNorm": _cast_after_forward,
 }
 
@@ -142,4 +198,4 @@ def install_efficient_rmsnorm(model: nn.Module) -> Handle:
     return Handle(undo, "bf16-saving RMSNorm")
 
 
-__all__ = ["RMSNormFunction", "install_efficient_rmsnorm"]
+__all__ = ["GatedRMSNormFunction", "RMSNormFunction", "install_efficient_rmsnorm"]

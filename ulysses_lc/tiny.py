@@ -197,18 +197,52 @@ def tiny_text(num_chars: int, seed: int = 0) -> str:
     return "".join(parts)[:num_chars]
 
 
-def tiny_model_config():
-    """The embedded default model: a small Qwen3 (full attention, GQA) over `tiny_tokenizer`'s vocabulary.
+# --model names of the embedded models: the default Qwen3, and one gated DeltaNet hybrid per family.
+TINY_MODELS = ("tiny", "tiny-qwen3_5", "tiny-qwen3_5_moe", "tiny-qwen3_next")
+_HYBRID_CONFIGS = {"tiny-qwen3_5": "Qwen3_5TextConfig", "tiny-qwen3_5_moe": "Qwen3_5MoeTextConfig",
+                   "tiny-qwen3_next": "Qwen3NextConfig"}
 
-    Its "trained length" is 1024 tokens, so the default 4096-token run goes through YaRN (factor 4)
+
+def tiny_model_config(name: str = "tiny"):
+    """The embedded model `name` (TINY_MODELS) over `tiny_tokenizer`'s vocabulary: "tiny" is a small Qwen3 (full
+    attention, GQA); the others are gated DeltaNet hybrids (a linear-attention layer, then a gated full-attention
+    one with partial rotary; the MoE ones with a shared expert).
+
+    Their "trained length" is 1024 tokens, so the default 4096-token run goes through YaRN (factor 4)
     exactly as a real model stretched to 1M does.
     """
+    if name not in TINY_MODELS:
+        raise ValueError(f"no embedded model {name!r}; pick one of {TINY_MODELS}.")
+    vocab = len(tiny_tokenizer())
+    if name != "tiny":
+        return _tiny_hybrid_config(name, vocab)
     from transformers import Qwen3Config
 
-    vocab = len(tiny_tokenizer())
     return Qwen3Config(
         vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
         max_position_embeddings=1024, rope_theta=10000.0, eos_token_id=vocab - 1,
         pad_token_id=vocab - 1,
     )
+
+
+def _tiny_hybrid_config(name: str, vocab: int):
+    import transformers
+
+    config_class = getattr(transformers, _HYBRID_CONFIGS[name], None)
+    if config_class is None:
+        raise ValueError(f"--model {name} needs transformers' {_HYBRID_CONFIGS[name]}, which transformers "
+                         f"{transformers.__version__} lacks; install transformers 5.17 or later.")
+    common = dict(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        max_position_embeddings=1024, eos_token_id=vocab - 1, pad_token_id=vocab - 1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    if name == "tiny-qwen3_5":
+        return config_class(intermediate_size=192, **common)
+    if name == "tiny-qwen3_5_moe":
+        return config_class(**moe, **common)
+    return config_class(intermediate_size=192, decoder_sparse_step=1, mlp_only_layers=[], **moe, **common)

@@ -131,8 +131,9 @@ class RopePlan:
 def _yarn(params: dict, trained: int, factor: float) -> dict:
     yarn = {"rope_type": "yarn", "rope_theta": params["rope_theta"], "factor": factor,
             "original_max_position_embeddings": trained}
-    if "partial_rotary_factor" in params:
-        yarn["partial_rotary_factor"] = params["partial_rotary_factor"]
+    # The rotary dims (Qwen3.5, Qwen3-Next: a quarter of each head) and Qwen3.5's multimodal sections stay the model's.
+    yarn.update({key: params[key] for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+                 if key in params})
     if params.get("rope_type") == "yarn":
         yarn.update({key: params[key] for key in _YARN_RECIPE_KEYS if key in params})
     return yarn

@@ -2,6 +2,7 @@
 
   finite_state(engine)      collective: True where every rank's optimizer state (fp32 weights, moments) is finite
   recording_files(engine)   context: the size and CRC-32 of each file this rank's engine writes, taken as it writes
+  save_failure(...)         a failed write as the user can act on it: the folder, the bytes needed and free, the fix
   write_manifest(...)       the tag's manifest.json: every file of this folder's copy, its size and checksum
   verify(tag_dir, rank)     what is wrong with the files of one rank (or all) against the manifest, as lines
 
@@ -17,8 +18,10 @@ guards against damage (a file cut short, a zeroed block, a copy gone wrong), not
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,17 +66,28 @@ class _Summing:
 
 
 @contextmanager
-def recording_files(engine):
-    """Within: each file `engine` saves goes through a summing file; yields {file name: [bytes, crc32]}. The engine's
-    checkpoint engine gets its save back on exit."""
+def recording_files(engine, failed: list):
+    """Within: each file `engine` saves goes through a summing file; yields {file name: [bytes, crc32]}. A write that
+    fails (a full disk) is appended to `failed` as (path, OSError) instead of raised, so that this rank still meets
+    the others in DeepSpeed's barrier after the files and every rank can stop with the cause (save_checkpoint). The
+    engine's checkpoint engine gets its save back on exit."""
     written = {}
     checkpoint_engine = engine.checkpoint_engine
     serialization = getattr(checkpoint_engine, "zipfile_serialization", True)
 
     def save(state_dict, path):
-        with open(path, "wb") as f:
-            summing = _Summing(f)
-            torch.save(state_dict, summing, _use_new_zipfile_serialization=serialization)
+        if failed:
+            return  # the disk refused a file already: the others would fail alike
+        try:
+            with open(path, "wb") as f:
+                summing = _Summing(f)
+                torch.save(state_dict, summing, _use_new_zipfile_serialization=serialization)
+        except (OSError, RuntimeError) as e:
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            failed.append((Path(path), cause))
+            return
         written[Path(path).name] = [summing.bytes, summing.crc]
 
     checkpoint_engine.save = save  # an attribute of this instance, over its class's method: deleted on exit
@@ -81,6 +95,27 @@ def recording_files(engine):
         yield written
     finally:
         del checkpoint_engine.save
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind a failed torch.save: torch's zip writer raises "unexpected pos" while closing a file whose
+    write failed, with the OSError (ENOSPC) as its context."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def state_bytes(engine) -> int:
+    """The bytes of this rank's share of a checkpoint: its fp32 weights and optimizer moments (the model_states
+    file beside them is small under ZeRO-3)."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    tensors = [*getattr(engine.optimizer, "fp32_partitioned_groups_flat", []),
+               *(p for group in inner.param_groups for p in group["params"])]
+    for state in inner.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
 
 def file_sum(path: Path) -> tuple[int, int]:
@@ -194,3 +229,48 @@ def choose_checkpoint(ckpt_dir: Path, latest: str, layout, *, every_file: bool =
 
 def _steps(ckpt_dir: Path) -> list[int]:
     return sorted(int(p.name[4:]) for p in Path(ckpt_dir).glob("step*") if p.is_dir() and p.name[4:].isdigit())
+
+
+class SaveFailed(OSError):
+    """A checkpoint could not be written (a full disk, a read-only file system, a quota): the message names the
+    folder, the bytes needed and the fix; the previous checkpoint is intact."""
+
+
+_CAUSES = {
+    errno.ENOSPC: "its file system is full (ENOSPC)",
+    errno.EDQUOT: "the disk quota there is used up (EDQUOT; `quota -s` shows it)",
+    errno.EROFS: "its file system is read-only (EROFS: mounted read-only, or remounted so after a disk error)",
+    errno.EACCES: "this user may not write there (EACCES)",
+    errno.EPERM: "this user may not write there (EPERM)",
+}
+
+
+def save_failure(path: Path, error: OSError, *, rank_bytes: int, world_size: int, previous: str | None,
+                 keep: int) -> str:
+    """The line for a checkpoint write that failed: what failed where, the bytes this rank and the whole
+    checkpoint need against those free, and what to do."""
+    folder = path.parent
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    cause = _CAUSES.get(error.errno, f"the write failed ({error})")
+    total = rank_bytes * world_size
+    fix = {errno.EROFS: "remount it read-write or pass another --output-dir",
+           errno.EACCES: "pass a folder this user can write to", errno.EPERM: "pass a folder this user can write to"}.get(
+        error.errno, f"free {human_bytes(max(0, total - free))} or more there"
+        + (f", lower --keep-checkpoints (now {keep})" if keep != 1 else "") + ", or pass another --output-dir")
+    kept = (f"the previous checkpoint {previous} is intact: --resume continues from it" if previous
+            else "no earlier checkpoint exists")
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    return (f"saving the checkpoint in {folder} failed at {path.name}: {cause}. Each rank writes about "
+            f"{human_bytes(rank_bytes)} (fp32 weights and optimizer moments), the checkpoint about {human_bytes(total)} "
+            f"over {ranks}; {human_bytes(free)} is free there. To go on, {fix}; {kept}.")
+
+
+def human_bytes(n: float) -> str:
+    """1.4 MB, 16.2 GB: three figures in the largest unit that fits."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} bytes"

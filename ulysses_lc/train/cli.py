@@ -75,11 +75,12 @@ def _is_lost_peer(e: BaseException) -> bool:
 
 
 def _fail(e: BaseException) -> None:
+    from .checkpoint_files import SaveFailed
     from .loop import NonFiniteError
     from .preflight import CheckFailed
 
     rank = _rank()
-    user_error = isinstance(e, (ValueError, NonFiniteError))
+    user_error = isinstance(e, (ValueError, NonFiniteError, SaveFailed))
     message = str(e)
     where = f" ({job_watch.where(rank)})" if rank else ""
     if isinstance(e, CheckFailed):

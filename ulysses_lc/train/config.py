@@ -16,6 +16,7 @@ from ..explicit_attention import valid_head_groups
 from ..data.settings import DataSettings
 from ..kernels import KERNELS
 from ..layout import PLACEMENTS
+from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
 
 TINY = "tiny"
@@ -78,7 +79,7 @@ class TrainConfig:
     dpo_beta: float = 0.1
     dpo_loss: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
-    dpo_reference: str = "auto"  # auto | copy | adapters (train/preference_step.py)
+    dpo_reference: str = "auto"  # auto | copy | adapters | precomputed (train/preference_step.py)
 
     @property
     def packed_documents(self) -> bool:
@@ -154,8 +155,8 @@ class TrainConfig:
         from ..preference import PreferenceLoss
 
         PreferenceLoss(self.dpo_beta, self.dpo_loss, self.dpo_label_smoothing)  # its ValueError names the setting
-        if self.dpo_reference not in ("auto", "copy", "adapters"):
-            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy or adapters.")
+        if self.dpo_reference not in ("auto", "copy", "adapters", "precomputed"):
+            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy, adapters or precomputed.")
         if self.dpo_reference == "adapters" and not self.lora_r:
             raise ValueError("--dpo-reference adapters is the model with its LoRA adapters off: add --lora-r (e.g. "
                              "16), or use --dpo-reference copy for a full fine-tune.")
@@ -197,7 +198,8 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = TINY_DEFAULTS
-    p.add_argument("--model", help=f"hub name or local folder, or 'tiny' (default {d.model}; tiny without GPUs)")
+    p.add_argument("--model", help=f"hub name or local folder, or an embedded model: {', '.join(TINY_MODELS)} (default "
+                                   f"{d.model}; tiny without GPUs)")
     p.add_argument("--seq-len", type=int,
                    help=f"tokens per sequence, one sequence per step (default {d.seq_len:,}; tiny or without GPUs: "
                         f"{t['seq_len']:,})")
@@ -297,9 +299,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--dpo-loss", choices=["sigmoid", "ipo"], default=d.dpo_loss, help="the preference loss")
     p.add_argument("--dpo-label-smoothing", type=float, default=d.dpo_label_smoothing,
                    help="sigmoid: the probability of a flipped preference (cDPO), in [0, 0.5)")
-    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters"], default=d.dpo_reference,
-                   help="the reference model: a frozen copy, or the model with its LoRA adapters off (auto: adapters "
-                        "with --lora-r, else copy)")
+    p.add_argument("--dpo-reference", choices=["auto", "copy", "adapters", "precomputed"], default=d.dpo_reference,
+                   help="the reference model: a frozen copy, the model with its LoRA adapters off, or precomputed "
+                        "(the model as loaded, run once over the data before training, kept in the token cache; no "
+                        "second model, no reference forward per step). auto: adapters with --lora-r, else copy")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 
@@ -312,7 +315,7 @@ def parse_args(argv=None) -> TrainConfig:
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
     no_gpu = not torch.cuda.is_available()
-    tiny = args["model"] == TINY or (args["model"] is None and no_gpu)
+    tiny = args["model"] in TINY_MODELS or (args["model"] is None and no_gpu)
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
     values = {k: (v if v is not None else defaults.get(k, getattr(d, k))) for k, v in args.items()}
     return TrainConfig(**values, flags_given=_given(argv))

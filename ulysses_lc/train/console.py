@@ -78,6 +78,29 @@ def _plan_reason(cfg, device: str, estimate, differs: str | None = None) -> str:
     return why + (f", with {', '.join(flags)} as given" if flags else "")
 
 
+DELTANET_RULE = "fla where fla-core is installed and its backward runs on the GPU, else the torch path"
+
+
+def layers_line(model_config, kernel: str, deltanet: str) -> str:
+    """Each kind of decoder layer, how many, and what computes it: full attention and sliding windows (sinks where the
+    model has them) through the Ulysses attention with `kernel`; gated DeltaNet layers through `deltanet`."""
+    from ..shape import ModelShape, text_config
+
+    cfg = text_config(model_config)
+    shape = ModelShape.from_config(cfg)
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * shape.layers)
+    windows = shape.layer_windows or (None,) * shape.layers
+    kinds = {}
+    for kind, window in zip(types, windows):
+        if kind == "linear_attention":
+            name = f"gated DeltaNet ({deltanet})"
+        else:
+            name = f"sliding window {window}" if window is not None else "full attention"
+            name += f" with sinks ({kernel})" if shape.sinks else f" ({kernel})"
+        kinds[name] = kinds.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in kinds.items())
+
+
 def reference_line(cfg, estimate) -> str:
     """DPO's reference model and what it costs per rank (sizing.Job.reference_params)."""
     from .preference_step import reference_kind
@@ -86,6 +109,9 @@ def reference_line(cfg, estimate) -> str:
     head = f"DPO {cfg.dpo_loss}, beta {cfg.dpo_beta:g}; two documents per pair (prompt + chosen | prompt + rejected)"
     if reference_kind(cfg) == "adapters":
         return f"reference the model with its LoRA adapters off: no second model; {head}"
+    if reference_kind(cfg) == "precomputed":
+        return ("reference precomputed: the model as loaded" + (" with its adapters off" if cfg.lora_r else "")
+                + f", once over the data before training, kept in the token cache: no second model; {head}")
     size = "" if job is None else (f": {job.reference_params / 1e6:,.1f} M params, "
                                    f"{2 * job.reference_params / job.world_size / GB:.2f} GB per rank of bf16 weights "
                                    "in the state below")
@@ -93,11 +119,13 @@ def reference_line(cfg, estimate) -> str:
 
 
 def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
-                  limits_line: str | None = None, node: str | None = None, differs: str | None = None) -> str:
+                  limits_line: str | None = None, node: str | None = None, differs: str | None = None,
+                  deltanet: str | None = None) -> str:
     """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
     (per rank, and `node`: per node), and against `limits_line`'s limits (estimate.fit) whether the plan fits.
     device: "gpu" where the plan is a GPU's (the dry run, a GPU run, a CPU run given --gpu-memory-gb); differs: why
-    the run's plan is not the dry run's for the same limits."""
+    the run's plan is not the dry run's for the same limits; deltanet: what runs the gated DeltaNet layers (the run's
+    resolved kernel and why; None: the GPU run's rule, for the dry run)."""
     yarn = checked.rope or describe_rope_scaling(checked.model_config)
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
@@ -111,6 +139,7 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
         f"length    {cfg.seq_len:,} tokens per step, {yarn}",
         *([reference_line(cfg, estimate)] if cfg.method == "dpo" else []),
         f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}",
+        f"layers    {layers_line(checked.model_config, kernel, deltanet or DELTANET_RULE)}",
         f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
         "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"
         + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),

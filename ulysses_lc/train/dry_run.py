@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from ..distributed import world_size
 from ..layout import ParallelLayout, nodes_of
+from .checkpoint_files import human_bytes
 from .config import TrainConfig
 from .console import layout_line, startup_block
 from .estimate import DoesNotFit, estimate_memory, job_for, limits_for, local_ranks, node_line, sized_params
@@ -55,7 +56,21 @@ def dry_run(cfg: TrainConfig) -> str:
                           num_params=num_params,
                           kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line,
                           node=node_line(estimate, per_node))
-    text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else []) + ["  nothing was loaded"])
+    text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else [])
+                     + [f"  {checkpoint_line(cfg, checked, num_params)}", "  nothing was loaded"])
     if not estimate.fit.fits:
         raise DoesNotFit(estimate.fit.verdict(), job.alternatives(cfg.seq_len, limits), text)
     return text
+
+
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and Adam's two fp32 moments of each trained parameter (ZeRO-3's files)
+
+
+def checkpoint_line(cfg: TrainConfig, checked, num_params: int) -> str:
+    """How much disk a checkpoint takes: in all, per rank, and with --keep-checkpoints of them kept."""
+    trained = checked.trainable_params if checked.trainable_params is not None else num_params
+    each = CHECKPOINT_BYTES_PER_PARAM * trained
+    kept = (f"; {cfg.keep_checkpoints} kept (--keep-checkpoints): {human_bytes(cfg.keep_checkpoints * each)}"
+            if cfg.keep_checkpoints else "; every one kept (--keep-checkpoints 0)")
+    return (f"disk      a checkpoint takes {human_bytes(each)} ({CHECKPOINT_BYTES_PER_PARAM} bytes per trained "
+            f"parameter: fp32 weights and Adam's moments), {human_bytes(each / checked.world_size)} per rank{kept}")

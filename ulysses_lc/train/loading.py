@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from .config import TINY
+from ..tiny import TINY_MODELS
 
 HUB_PROBE_S = 3.0  # a TCP connect to the hub (or the proxy) answers in well under a second where there is a route
 LOCAL_ALTERNATIVES = ("--model ./folder (a local copy, e.g. `hf download NAME --local-dir ./folder` on a machine "
@@ -49,10 +49,10 @@ def _hub_kwargs(name: str) -> dict:
 
 def load_model_config(name: str):
     """The model's config (no weights), or a ValueError that says whether the name or the network is wrong."""
-    if name == TINY:
+    if name in TINY_MODELS:
         from ..tiny import tiny_model_config
 
-        return tiny_model_config()
+        return tiny_model_config(name)
     from transformers import AutoConfig
 
     try:
@@ -78,8 +78,8 @@ def _why_not_loadable(name: str, e: Exception) -> str:
 
 
 def load_tokenizer(name: str):
-    """The model's tokenizer, or the embedded byte-level one for `tiny`."""
-    if name == TINY:
+    """The model's tokenizer, or the embedded byte-level one for the embedded models."""
+    if name in TINY_MODELS:
         from ..tiny import tiny_tokenizer
 
         return tiny_tokenizer()
@@ -107,7 +107,7 @@ def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.d
         torch.manual_seed(seed)
         return apply_peft(model, peft_config)
 
-    if name == TINY:
+    if name in TINY_MODELS:
         torch.manual_seed(seed)
         return adapted(AutoModelForCausalLM.from_config(config, dtype=dtype).to(device))
     if ds_config.get("zero_optimization", {}).get("stage") == 3:

@@ -42,7 +42,7 @@ from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics
+from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_kind, reference_path
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .same_flags import check_same_flags
@@ -164,12 +164,20 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
         logger.info(startup_block(
             out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
             kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
-            limits_line=limits_line, node=node_line(estimate, ranks_here, beside) if limits else None,
+            limits_line=limits_line, deltanet=model.deltanet,
+            node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
                                              "(another process on this GPU?), which the dry run's plan needs"))
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
+
+    if dpo and reference_kind(cfg) == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
+        cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        hit = dpo_step.precompute(engine, stream, reference_path(cfg, checked, stream, cache), cache_files.writes, device)
+        if rank0:
+            logger.info("DPO reference log-probabilities of %d sequences %s the token cache", len(stream),
+                        "read from" if hit else "computed once, written to")
 
     start_step = 0
     if cfg.resume:
@@ -207,7 +215,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
                 # global_batch sequences however they are split over DP groups and micro steps.
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
                 if dpo:
-                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device)
+                    window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,

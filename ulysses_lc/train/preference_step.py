@@ -6,6 +6,9 @@ Each sequence is one pair (or, with --packing, as many whole pairs as fit) laid 
             checkpointing (it runs without gradient) and partitioned by ZeRO-3 like the policy: its bf16 weights
             over all ranks, what the dry run adds to the predicted memory;
   adapters  the policy with its LoRA adapters off (--lora-r): no second model;
+  precomputed  the model as loaded (before any step; with --lora-r its adapters off), run once over every sequence
+            of the data before training, its log-probabilities kept in the token cache (`reference_path`) and read
+            back by later runs and resumes: no second model and no reference forward per step;
   auto      adapters with --lora-r, else copy.
 The step's metrics: `loss` is the DPO loss; reward_margin, reward_accuracy, reward_chosen, reward_rejected are
 TRL's rewards (beta x the log-ratio against the reference), means over the step's pairs.
@@ -13,7 +16,12 @@ TRL's rewards (beta x the log-ratio against the reference), means over the step'
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 
 from ..data import parse_source
 from ..data.pairs import PairStream
@@ -28,7 +36,7 @@ METRICS = {"rewards/margins": "reward_margin", "rewards/accuracies": "reward_acc
 
 
 def reference_kind(cfg) -> str:
-    """What the reference model is for this run: "copy" or "adapters"."""
+    """What the reference model is for this run: "copy", "adapters" or "precomputed"."""
     if cfg.dpo_reference == "auto":
         return "adapters" if cfg.lora_r else "copy"
     return cfg.dpo_reference
@@ -50,7 +58,8 @@ def build_pair_stream(cfg, tokenizer) -> PairStream:
 
 
 def load_reference(cfg, checked, device, layout: ParallelLayout):
-    """The frozen copy as a DeepSpeed ZeRO-3 engine without optimizer, or None for the adapters-off reference."""
+    """The frozen copy as a DeepSpeed ZeRO-3 engine without optimizer; None for the adapters-off and the precomputed
+    reference."""
     if reference_kind(cfg) != "copy":
         return None
     import deepspeed
@@ -74,15 +83,52 @@ class DPOStep:
         self.loss = PreferenceLoss(cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing)
         self.layout, self.seq_len, self.vocab_size, self.pad_token_id = layout, cfg.seq_len, vocab_size, pad_token_id
         self.reference = reference
+        self.adapters_off = bool(cfg.lora_r)  # a precomputed reference: the adapters off, else the model as loaded
+        self.precomputed = None  # window -> [2 x pairs] reference log-probabilities (`precompute`)
 
-    def __call__(self, engine, pairs, device):
-        batch = shard_pairs(pairs, self.layout, seq_len=self.seq_len, vocab_size=self.vocab_size,
-                            pad_token_id=self.pad_token_id).to(device)
-        ref_logps = reference_log_probs(engine, batch, self.reference)
+    def batch(self, pairs, device):
+        return shard_pairs(pairs, self.layout, seq_len=self.seq_len, vocab_size=self.vocab_size,
+                           pad_token_id=self.pad_token_id).to(device)
+
+    def precompute(self, engine, stream: PairStream, path: Path, writes: bool, device) -> bool:
+        """The reference log-probabilities of every sequence of `stream`, from `path` when every rank finds it there,
+        else from `engine` now (call before any step and before a checkpoint loads: the model as loaded is the
+        reference), then written to `path` by the rank that `writes` the cache. Collective (the forwards are).
+        Returns whether they were read from the cache."""
+        found = torch.tensor([int(path.is_file())], device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.layout.world_group)
+        if found.item():
+            self.precomputed = torch.load(path, map_location="cpu")
+            return True
+        table = []
+        for window in range(len(stream)):
+            batch = self.batch(stream.sample(window), device)
+            table.append(reference_log_probs(engine, batch, None if self.adapters_off else engine).cpu())
+        self.precomputed = table
+        if writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.partial")
+            torch.save(table, partial)
+            partial.replace(path)  # whole or absent: a killed write leaves no half file under the name
+        return False
+
+    def __call__(self, engine, pairs, device, window: int | None = None):
+        batch = self.batch(pairs, device)
+        if self.precomputed is not None:
+            ref_logps = self.precomputed[window].to(device)
+        else:
+            ref_logps = reference_log_probs(engine, batch, self.reference)
         loss, metrics = self.loss(engine(**batch.as_kwargs()), ref_logps, batch)
         completion = sum(batch.chosen_tokens) + sum(batch.rejected_tokens)
         return (loss, {METRICS[k]: v for k, v in metrics.items() if k in METRICS},
                 torch.tensor(completion, device=device), batch.n_documents, self.seq_len - batch.batch.seq_len)
+
+
+def reference_path(cfg, checked, stream: PairStream, cache_dir: Path) -> Path:
+    """Where the precomputed reference log-probabilities of this data under this model live in the token cache: keyed
+    on the data (its token ids and packing), the model name and its RoPE, precision and seed (random tiny weights)."""
+    key = repr((stream.stream_id, cfg.model, checked.rope, str(checked.dtype), cfg.seed, cfg.lora_r > 0))
+    return cache_dir / f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
 def mean_metrics(per_micro: list[dict], layout: ParallelLayout) -> dict:
@@ -96,4 +142,4 @@ def mean_metrics(per_micro: list[dict], layout: ParallelLayout) -> dict:
 
 
 __all__ = ["DPOStep", "METRICS", "build_pair_stream", "check_pair_source", "load_reference", "mean_metrics",
-           "reference_kind"]
+           "reference_kind", "reference_path"]

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ..zero_reshard import load_resharded, model_states_name, read_model_states
-from .checkpoint_files import choose_checkpoint, recording_files, verify, write_manifest
+from .checkpoint_files import (SaveFailed, choose_checkpoint, recording_files, save_failure, state_bytes, verify,
+                               write_manifest)
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
@@ -114,13 +115,24 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
     # A LoRA run's frozen base weights are not saved (every checkpoint would hold the whole model again): --resume
     # loads them from --model, as the run did, and the checkpoint restores the adapters and their optimizer state.
     frozen = any(not p.requires_grad for p in engine.module.parameters())
-    with recording_files(engine) as written:  # each file's size and CRC-32, summed as it is written
+    failed = []
+    with recording_files(engine, failed) as written:  # each file's size and CRC-32, summed as it is written
         engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False, exclude_frozen_parameters=frozen,
                                client_state={"step": step, "data": stream.state_dict(), "rng": rng_state(),
                                              "layout": layout,
                                              "schedule": schedule.state_dict() if schedule is not None else None})
-    every = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, written)  # also the barrier: every rank's files are written
+    world = torch.distributed.get_world_size()
+    failure = None if not failed else save_failure(
+        *failed[0], rank_bytes=state_bytes(engine), world_size=world, keep=keep,
+        previous=latest_tag(out) if (ckpt_dir / LATEST).is_file() else None)
+    every = [None] * world
+    torch.distributed.all_gather_object(every, (written, failure))  # also the barrier: every rank's files are written
+    failures = [(r, f) for r, (_, f) in enumerate(every) if f is not None]
+    if failures:  # every rank stops with the first failing rank's cause
+        rank, failure = failures[0]
+        raise SaveFailed(failure + (f" (rank {rank}" + (f" and {len(failures) - 1} more" if len(failures) > 1 else "")
+                                    + ")" if world > 1 else ""))
+    every = [w for w, _ in every]
     if torch.distributed.get_rank() == 0 if writes is None else writes:
         write_manifest(ckpt_dir / f"step{step}", every)  # last in the tag, before `latest` names it
         tmp = ckpt_dir / f".{LATEST}.tmp"
