@@ -105,9 +105,9 @@ def main() -> None:
     def tokens(n, seed):
         return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-    def job(packed, preference):
+    def job(packed, preference):  # DPO: two documents of a pair, each its own kernel call (long_documents)
         return Job.from_ds_config(shape, total, 1, 1, ds_config, packed=packed, trainable_params=trainable,
-                                  preference=preference)
+                                  preference=preference, long_documents=preference)
 
     loss_fn = PreferenceLoss(beta=0.1)
 
@@ -139,7 +139,8 @@ def main() -> None:
         return time.perf_counter() - t0, float(loss)
 
     def phase(name, packed, preference, seq, run):
-        plan = wrapper.plan_step(seq, dev, packed=packed, **plan_reservations(job(packed, preference), limits))
+        plan = wrapper.plan_step(seq, dev, packed=packed, long_documents=preference,
+                                 **plan_reservations(job(packed, preference), limits))
         predicted = job(packed, preference).predict(seq, plan)
         wrapper.use_plan(plan)
         if cuda:

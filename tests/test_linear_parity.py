@@ -115,3 +115,23 @@ def test_torch_rule_in_segments_equals_one_call():
         results.append([out.detach()] + [x.grad for x in leaves])
     for got, want in zip(*reversed(results)):
         assert ((got - want).norm() / want.norm()) <= 1e-6
+
+
+def test_shape_counts_the_hybrid_layers():
+    # The memory plan and FLOPs read the model through ModelShape: a gated DeltaNet layer's own matmul weights (q, k,
+    # v, z, b, a in, out), no attention pairs, an O(s) recurrence, and its recurrence's bytes in the plan's block.
+    from ulysses_lc import ModelShape, model_flops_per_step
+    from ulysses_lc.linear_attention import RECURRENCE_BYTES_PER_HEAD_TOKEN, recurrence_block_bytes
+    from ulysses_lc.memory import step_terms
+
+    model = build("qwen3_5")
+    shape = ModelShape.from_config(model.config)
+    matmul = sum(p.numel() for n, p in model.model.layers.named_parameters() if p.dim() == 2 and "conv1d" not in n)
+    assert shape.layer_matmul_params == matmul
+    assert shape.attention_pairs(100) == 100 * 100 / 2  # the one full-attention layer
+    assert shape.recurrence_flops(200) == 2 * shape.recurrence_flops(100) > 0
+    flops = model_flops_per_step(shape, 100)
+    assert flops.attention == 3 * (4 * 5000 * 4 * 8 + shape.recurrence_flops(100))
+    assert recurrence_block_bytes(shape, 37, 2) == 38 * 2 * RECURRENCE_BYTES_PER_HEAD_TOKEN  # 2 of 4 value heads
+    plain = step_terms(ModelShape.from_config(tiny_config("qwen3")), 37, sp_size=2)
+    assert step_terms(shape, 37, sp_size=2).recompute >= recurrence_block_bytes(shape, 37, 2) > plain.recompute

@@ -161,3 +161,26 @@ def test_pairs_that_cannot_be_exact_are_refused():
         with pytest.raises(ValueError):
             PreferenceLoss(**bad)
     assert torch.isfinite(torch.tensor(check_pair([1], [2], [3], seq_len=4)))
+
+
+def test_the_main_jobs_tokenization_of_pairs_is_trls():
+    # Plain and chat rows: ulysses_lc.data.pairs.tokenize_pair gives the ids TRL's DPOTrainer prepares.
+    import datasets
+    from accelerate.state import AcceleratorState
+    from trl import DPOConfig, DPOTrainer
+
+    from ulysses_lc.data.pairs import tokenize_pair
+
+    chat = [{"prompt": [{"role": "user", "content": "Name a colour."}],
+             "chosen": [{"role": "assistant", "content": "Blue."}],
+             "rejected": [{"role": "assistant", "content": "Seven, probably."}]}]
+    tokenizer = tiny_tokenizer()
+    for rows in (ROWS, chat):
+        with tempfile.TemporaryDirectory() as out:
+            args = DPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to=[], max_length=None)
+            trainer = DPOTrainer(model=build("qwen3", **OVERRIDES), ref_model=build("qwen3", **OVERRIDES), args=args,
+                                 processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(rows))
+            for row, prepared in zip(rows, trainer.train_dataset):
+                ours = tokenize_pair(row, tokenizer)
+                assert ours == tuple(prepared[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -24,6 +24,7 @@ from .attention import kept_output_bytes_per_token
 from .chunked_loss import auto_chunk_rows, loss_head_bytes
 from .explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
 from .layout import ParallelLayout
+from .linear_attention import recurrence_block_bytes
 from .memory_model import ALLOCATOR_SLACK, CONTEXT_BYTES, HOST_HEADROOM, StepTerms, zero3_working_bytes
 from .shape import ModelShape
 from .window_attention import band_bytes_per_token
@@ -92,6 +93,7 @@ def plan_memory(
     shape: ModelShape, seq_len: int, device_free_bytes: float, *, sp_size: int = 1,
     host_free_bytes: float | None = None, offload: bool = True, keep_attention: bool = True,
     head_groups: int | str = "auto", headroom: float | None = None, packed: bool = False,
+    long_documents: bool = False,
 ) -> MemoryPlan:
     """The fastest plan for a step of `seq_len` tokens (split over `sp_size` ranks) whose activations the memory
     model (memory_model.py) prices within `device_free_bytes` more device memory and `host_free_bytes` of host
@@ -111,7 +113,7 @@ def plan_memory(
     says by how much it is over).
     """
     terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups, keep_attention=keep_attention,
-                       offload=offload, packed=packed)
+                       offload=offload, packed=packed, long_documents=long_documents)
     device = device_free_bytes * (1 / (1 + ALLOCATOR_SLACK) if headroom is None else headroom)
     return _choose(terms, device, float("inf") if host_free_bytes is None else host_free_bytes)
 
@@ -149,34 +151,44 @@ def _choose(terms: StepTerms, device: float, host: float) -> MemoryPlan:
 
 
 def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups: int | str = "auto",
-               keep_attention: bool = True, offload: bool = True, packed: bool = False) -> StepTerms:
-    """Per rank, the terms of one step the memory model prices, from the levers' own bytes (memory_model.py)."""
+               keep_attention: bool = True, offload: bool = True, packed: bool = False,
+               long_documents: bool = False) -> StepTerms:
+    """Per rank, the terms of one step the memory model prices, from the levers' own bytes (memory_model.py).
+    long_documents: packed documents of at least kernels.DOCUMENT_VARLEN_TOKENS each (DPO's pairs), which run one
+    kernel call per run of documents and keep no more than an unpacked layer: no varlen extra (PACKED_PLAIN_FIT)."""
     seq_local = -(-seq_len // sp_size)
     s_pad = seq_local * sp_size
     heads_local, kv_local = shape.local_heads(sp_size), shape.local_kv_heads(sp_size)
     groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
                                                                              shape.head_dim)
     block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
+    # Layers run one at a time: the larger of the attention backward's block and a gated DeltaNet's recurrence, which
+    # a plain layer also stores from its forward (its share of the layers, as the plain layers are any of them).
+    recurrence = recurrence_block_bytes(shape, seq_len, sp_size)
+    block = max(block, recurrence)
+    recurrence_share = recurrence * sum(shape.linear_layers) / shape.layers
     output = seq_local * kept_output_bytes_per_token(shape)
     chunk = auto_chunk_rows(shape.vocab) * shape.vocab * 4  # one chunk's fp32 logits, inside loss_head_bytes
     return StepTerms.fitted(
-        layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape),
+        layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape) + recurrence_share,
         # Window / sink layers: the band's own copies (window_attention.py) join the working set.
         working_formula=seq_local * (working_set_bytes_per_token(shape)
                                      + (band_bytes_per_token(shape) if shape.layer_windows or shape.sinks else 0)),
         block=block,
         kept=seq_local * checkpointed_input_bytes_per_token(shape),
         cached=output if keep_attention and not packed else 0, attention_output=output,
-        loss=loss_head_bytes(shape, seq_local) - chunk, loss_chunk=chunk, sp_size=sp_size, packed=packed,
+        loss=loss_head_bytes(shape, seq_local) - chunk, loss_chunk=chunk, sp_size=sp_size,
+        packed=packed and not long_documents,
         offload=offload)
 
 
 def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: int = 1, head_groups: int | str = "auto",
-               offload: bool = True, packed: bool = False) -> tuple[int, int]:
+               offload: bool = True, packed: bool = False, long_documents: bool = False) -> tuple[int, int]:
     """(device, host) bytes per rank of one step's activations under `plan`, by the memory model the planner chooses
     with (memory_model.py): the device's peak and the pinned host buffers. What --dry-run predicts, with the state."""
     terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups,
-                       keep_attention=plan.cache_attention_layers > 0, offload=offload, packed=packed)
+                       keep_attention=plan.cache_attention_layers > 0, offload=offload, packed=packed,
+                       long_documents=long_documents)
     return int(terms.device_peak(*plan.counts)), int(terms.host_pinned(*plan.counts))
 
 
@@ -208,15 +220,17 @@ def optimizer_reserved_bytes(trainable_params: int, world_size: int) -> int:
 
 
 def attention_policy(shape: ModelShape, kernel: str, head_groups: int | str = "auto",
-                     packed: bool = False) -> tuple[bool, int | str]:
+                     packed: bool = False, explicit_ok: bool = True) -> tuple[bool, int | str]:
     """(whether checkpointed layers may keep their attention output, the head groups the plan counts on): the
     one rule the plan, the dry run and the start-up estimate share.
 
     Kept outputs and head groups need a kernel we call ourselves (an SDPA one) and no dropout. Packed documents
     run their attention per document (kernels.document_attention): no kept outputs, so none are planned (their
     memory goes to layers that skip the recompute), and no head groups, so the kernel's backward block is
-    reserved whole (the per-document and variable-length kernels hold at most that)."""
-    ours = can_keep_attention(shape, kernel)
+    reserved whole (the per-document and variable-length kernels hold at most that). explicit_ok: False where no
+    explicit kernel took this model's call on this device (`SequenceParallelCausalLM.probe_attention`): the plan
+    is made for the kernel actually used."""
+    ours = can_keep_attention(shape, kernel) and explicit_ok
     return ours and not packed, head_groups if ours and not packed else 1
 
 
@@ -256,7 +270,7 @@ def measure_foreign_bytes(device: torch.device, layout: ParallelLayout) -> int:
 def plan_step_memory(
     shape: ModelShape, seq_len: int, layout: ParallelLayout, device: torch.device, *, kernel: str = "auto",
     head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0, packed: bool = False,
-    budget: tuple[float, float] | None = None,
+    budget: tuple[float, float] | None = None, long_documents: bool = False, explicit_ok: bool = True,
 ) -> MemoryPlan:
     """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
     allocated (`optimizer_reserved_bytes` before the first step), ZeRO-3's gathered weights during the step and
@@ -270,8 +284,9 @@ def plan_step_memory(
     node's share, the node's launcher counted), not what is free at this moment. Without CUDA the budget plans as
     on a GPU of that size; without budget and CUDA every layer is checkpointed and offloaded, attention outputs kept
     where the kernel allows (on a CPU that only exercises the paths). Drivers call it through
-    `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload."""
-    keep_attention, groups = attention_policy(shape, kernel, head_groups, packed)
+    `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload, and
+    whether its start-up probe found an explicit kernel (`attention_policy`'s explicit_ok)."""
+    keep_attention, groups = attention_policy(shape, kernel, head_groups, packed, explicit_ok)
     if device.type != "cuda" and budget is None:
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
     if budget is not None:
@@ -289,6 +304,7 @@ def plan_step_memory(
     return plan_memory(
         shape, seq_len, device_free, sp_size=layout.sp_size, host_free_bytes=max(host_free, 0),
         offload=offload, keep_attention=keep_attention, head_groups=groups, packed=packed,
+        long_documents=long_documents,
     )
 
 

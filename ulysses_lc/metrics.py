@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import fallbacks
 from .shape import ModelShape
 
 
@@ -64,7 +65,9 @@ def model_flops_per_step(
     hardware  = model + [recompute] (r/n_layers * 2 * N_layers * s + (r - c)/n_layers * 2 * s^2 * h * d * n_layers)
     effective = 4.5 * 2 * s^2 * h * d * n_layers + 8 * N * s   (ALST/Megatron convention)
     h counts query heads (GQA shares K/V but every query head does its own QK^T and PV). A sliding-window
-    layer's s^2/2 pairs are s*w - w^2/2 (ModelShape.attention_pairs), so 2*s^2 above reads 4*(s*w - w^2/2) there.
+    layer's s^2/2 pairs are s*w - w^2/2 (ModelShape.attention_pairs), so 2*s^2 above reads 4*(s*w - w^2/2) there;
+    a gated DeltaNet layer has none, and its recurrence's O(s) FLOPs join the attention term
+    (ModelShape.recurrence_flops; its backward counted 2x, as attention's).
     r = recompute_layers (default all) layers are recomputed; c = cached_attention_layers of them keep
     their attention output, so their recompute skips the attention forward (attention.py).
     """
@@ -74,7 +77,7 @@ def model_flops_per_step(
     n_layers_params, n_head_params = shape.layer_matmul_params, shape.head_matmul_params
     n_params = n_layers_params + n_head_params
     tokens = seq_len
-    attn_fwd = 4.0 * shape.attention_pairs(tokens) * shape.heads * shape.head_dim
+    attn_fwd = 4.0 * shape.attention_pairs(tokens) * shape.heads * shape.head_dim + shape.recurrence_flops(tokens)
     dense = 6.0 * n_params * tokens
     attention = 3.0 * attn_fwd
     model = dense + attention
@@ -246,6 +249,8 @@ class StepLogger:
             "host_rss_gb": host_rss_gb,
             "host_used_gb": host_used_gb,
             "time": time.time(),
+            # Kernels that refused a call of this step and the one that ran instead (fallbacks.py): [] normally.
+            "kernel_fallbacks": [f.line() for f in fallbacks.unreported()],
             **extra,
         }
         if self.flops is not None:
@@ -300,6 +305,8 @@ class StepLogger:
             f"MFU {_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%')}",
             f"gpu {_fmt(r['gpu_mem_gb'], '.1f', ' GB')}", f"host {r['host_rss_gb']:.1f} GB (node {r['host_used_gb']:.1f} GB)",
         ]
+        if r.get("kernel_fallbacks"):
+            parts.append(f"kernel fallback: {'; '.join(r['kernel_fallbacks'])}")
         return " | ".join(parts)
 
     def close(self) -> None:

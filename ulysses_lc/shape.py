@@ -66,6 +66,25 @@ def _dense_width(cfg) -> int:
     return getattr(cfg, "intermediate_size", None) or cfg.moe_intermediate_size
 
 
+GDN_CHUNK = 64  # tokens per chunk of the chunked gated delta rule (fla's and transformers' torch path alike)
+
+
+def _linear_layers(cfg) -> tuple:
+    """Per decoder layer, whether it is a gated DeltaNet (`linear_attention`: Qwen3.5, Qwen3-Next)."""
+    types = getattr(cfg, "layer_types", None) or ()
+    return tuple(t == "linear_attention" for t in types) if "linear_attention" in types else ()
+
+
+def _mixer_params(cfg, linear: bool, e: int, heads: int, kv_heads: int, d: int) -> int:
+    """Matmul weights of one layer's token mixer. Attention: q and o, k and v (Qwen3.5 / Qwen3-Next's q_proj also
+    writes the output gate: 2 h d wide). Gated DeltaNet: q, k, v, z, b, a in and out (its conv weight is no matmul)."""
+    if linear:
+        key, value = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        return e * (2 * key + 2 * value + 2 * cfg.linear_num_value_heads) + value * e
+    gate = 1 if _linear_layers(cfg) else 0  # the hybrids' full-attention layers are gated
+    return (2 + gate) * e * heads * d + 2 * e * kv_heads * d
+
+
 def _mlp_params(cfg, layer: int, active: bool = False) -> int:
     """Weights an MLP holds (active: those it multiplies each token by): dense 3 e i (gate, up, down); MoE the
     router and every expert, or only the num_experts_per_tok active ones (+ a shared expert where there is one)."""
@@ -97,6 +116,8 @@ class ModelShape:
     layer_params: int = 0  # weights of the largest decoder layer, every expert counted (what ZeRO-3 gathers at once)
     layer_windows: tuple = ()  # per layer: its sliding window or None (full); () for all full
     sinks: bool = False  # attention sinks: a learned logit per head in each softmax (gpt-oss)
+    linear_layers: tuple = ()  # per layer: whether it is a gated DeltaNet; () for none
+    linear_heads: tuple = (0, 0, 0, 0)  # the DeltaNet's key heads, value heads, key dim, value dim
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -104,9 +125,11 @@ class ModelShape:
         e, heads = cfg.hidden_size, cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         d = getattr(cfg, "head_dim", None) or e // heads
-        attention = 2 * e * heads * d + 2 * e * kv_heads * d  # q and o, k and v projections
-        layer_params = sum(attention + _mlp_params(cfg, n, active=True) for n in range(cfg.num_hidden_layers))
-        largest_layer = max(attention + _mlp_params(cfg, n) for n in range(cfg.num_hidden_layers))
+        linear = _linear_layers(cfg)
+        mixer = [_mixer_params(cfg, bool(linear and linear[n]), e, heads, kv_heads, d)
+                 for n in range(cfg.num_hidden_layers)]
+        layer_params = sum(mixer[n] + _mlp_params(cfg, n, active=True) for n in range(cfg.num_hidden_layers))
+        largest_layer = max(mixer[n] + _mlp_params(cfg, n) for n in range(cfg.num_hidden_layers))
         return cls(
             layers=cfg.num_hidden_layers, hidden=e, intermediate=_dense_width(cfg), heads=heads,
             kv_heads=kv_heads, head_dim=d, vocab=getattr(cfg, "vocab_size", 0) or 0,
@@ -114,7 +137,9 @@ class ModelShape:
             layer_matmul_params=layer_params, attention_dropout=getattr(cfg, "attention_dropout", 0.0) or 0.0,
             model_type=getattr(cfg, "model_type", "") or "", layer_params=largest_layer,
             layer_windows=layer_windows(cfg) if any(layer_windows(cfg)) else (),
-            sinks=getattr(cfg, "model_type", "") == "gpt_oss",
+            sinks=getattr(cfg, "model_type", "") == "gpt_oss", linear_layers=linear,
+            linear_heads=(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim) if linear else (0, 0, 0, 0),
         )
 
     @property
@@ -138,9 +163,20 @@ class ModelShape:
         return self.hidden * self.vocab
 
     def attention_pairs(self, seq: int) -> float:
-        """(query, key) pairs of one head summed over the layers: a window costs s w, full attention s^2 / 2."""
+        """(query, key) pairs of one head summed over the attention layers: a window costs s w, full attention
+        s^2 / 2; a gated DeltaNet layer none (recurrence_flops)."""
         windows = self.layer_windows or (None,) * self.layers
-        return sum(window_pairs(seq, w) for w in windows)
+        linear = self.linear_layers or (False,) * self.layers
+        return sum(window_pairs(seq, w) for w, lin in zip(windows, linear) if not lin)
+
+    def recurrence_flops(self, seq: int) -> float:
+        """Forward FLOPs of the gated DeltaNet layers' recurrence over `seq` tokens (the chunked gated delta rule,
+        O(s) per value head): per token and value head, reading and writing the dk x dv state (3 products: the
+        state's read by q and by the keys' correction, the update) and the chunk's own c x c products (q k^T and
+        k k^T over dk, the attention over dv), 2 FLOPs a multiply-add. The conv and the gates are O(s (dk + dv))."""
+        _, hv, dk, dv = self.linear_heads
+        per_token_head = 2 * (3 * dk * dv + GDN_CHUNK * (2 * dk + dv))
+        return float(sum(self.linear_layers)) * seq * hv * per_token_head
 
     def local_heads(self, sp_size: int) -> int:
         """h_local: query heads one rank runs during attention."""

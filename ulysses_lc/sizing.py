@@ -126,6 +126,7 @@ class Job:
     kernel: str = "auto"
     head_groups: int | str = "auto"
     packed: bool = False
+    long_documents: bool = False  # packed documents each long enough for its own kernel call (memory.step_terms)
     offload: bool = True
     trainable_params: int | None = None  # of num_params, those that train (None: all; LoRA: the adapters)
     # DPO (preference.py): a frozen reference copy's parameters (0: none, the adapters off or no DPO), whose bf16
@@ -175,7 +176,7 @@ class Job:
         state_gpu, state_host = self.state_bytes()
         _, groups = self._policy()
         act_gpu, act_host = plan_bytes(self.shape, seq_len, plan, sp_size=self.sp_size, head_groups=groups,
-                                       offload=self.offload, packed=self.packed)
+                                       offload=self.offload, packed=self.packed, long_documents=self.long_documents)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES,
                           self.node_share(act_host), self.ranks_per_node)
@@ -198,7 +199,8 @@ class Job:
         device, host = self.budget(limits)
         keep_attention, groups = self._policy()
         return plan_memory(self.shape, seq_len, device, sp_size=self.sp_size, host_free_bytes=max(host, 0),
-                           offload=self.offload, keep_attention=keep_attention, head_groups=groups, packed=self.packed)
+                           offload=self.offload, keep_attention=keep_attention, head_groups=groups, packed=self.packed,
+                           long_documents=self.long_documents)
 
     def fit(self, seq_len: int, limits: Limits, plan: MemoryPlan | None = None) -> Fit:
         """`plan` (default: the one `plan` chooses) priced against `limits`."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..explicit_attention import valid_head_groups
 from ..data.settings import DataSettings
-from ..kernels import KERNELS
+from ..kernels import DOCUMENT_VARLEN_TOKENS, KERNELS
 from ..layout import PLACEMENTS
 from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
@@ -85,6 +85,13 @@ class TrainConfig:
     def packed_documents(self) -> bool:
         """Whether sequences are packed documents (packing, or DPO's two documents per pair): the memory plan's."""
         return self.packing or self.method == "dpo"
+
+    @property
+    def long_documents(self) -> bool:
+        """DPO without --packing: a sequence is one pair, two documents of about half of --seq-len at the longest,
+        each run by its own kernel call when that is at least DOCUMENT_VARLEN_TOKENS (kernels.document_attention),
+        which the memory model prices as an unpacked layer (memory.step_terms)."""
+        return self.method == "dpo" and not self.packing and self.seq_len >= 2 * DOCUMENT_VARLEN_TOKENS
 
     @property
     def data_settings(self) -> DataSettings:

@@ -77,7 +77,8 @@ def job_for(cfg, checked, num_params: int, ranks_per_node: int = 1) -> Job:
                               checked.sp_size, checked.ds_config, kernel=cfg.kernel,
                               head_groups=cfg.attention_head_groups, packed=cfg.packed_documents,
                               trainable_params=checked.trainable_params, ranks_per_node=ranks_per_node,
-                              reference_params=reference, preference=cfg.method == "dpo")
+                              reference_params=reference, preference=cfg.method == "dpo",
+                              long_documents=cfg.long_documents)
 
 
 def sized_params(checked) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
 from ..data.cache import default_cache_dir
-from ..distributed import init_distributed, world_size
+from ..distributed import init_distributed, seed_step, world_size
 from ..layout import ParallelLayout
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
@@ -154,7 +154,9 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
     ranks_here = layout.ranks_on_node()
     job = job_for(cfg, checked, num_params, ranks_here)
     reserve = plan_reservations(job, limits) if limits else {}
-    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, **reserve).with_overrides(
+    model.probe_attention(device, checked.dtype)  # a kernel that refuses this model's call is known before the plan
+    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, long_documents=cfg.long_documents,
+                            **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
     model.use_plan(plan)
     estimate = estimate_memory(cfg, checked, plan, num_params, limits, ranks_here)
@@ -214,6 +216,7 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
+                seed_step(cfg.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
                     window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
                     loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
