@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 GB = 1e9
 K = 1024
-# name: (shape, tokens (None: the longest that fits), DeepSpeed config, start-up seconds for the time guard)
+# name: (shape, tokens (None: the longest that fits), DeepSpeed config, start-up seconds for the time guard[, layers])
 RUNGS = {
     "0.6b@64k": ("qwen3-0.6b", 64 * K, "zero3", 30),
     "0.6b@256k": ("qwen3-0.6b", 256 * K, "zero3", 30),
@@ -53,22 +53,26 @@ RUNGS = {
     "4b@128k": ("qwen3-4b", 128 * K, "zero3", 40),
     "4b@256k": ("qwen3-4b", 256 * K, "zero3", 40),
     "8b-offload": ("qwen3-8b", None, "zero3_offload_optimizer", 180),
+    # Held out of the fit (issue 28): a window, sinks with MoE, a fine-grained MoE; fewer layers to fit one GPU.
+    "mistral-7b-4L@128k": ("mistral-7b", 128 * K, "zero3", 40, 4),
+    "gpt-oss-20b-2L@64k": ("gpt-oss-20b", 64 * K, "zero3", 60, 2),
+    "qwen3-30b-a3b-2L@64k": ("qwen3-30b-a3b", 64 * K, "zero3", 60, 2),
 }
 SMOKE = {"tiny@512": ("tiny", 512, "zero3", 30), "tiny-offload@512": ("tiny", 512, "zero3_offload_optimizer", 30)}
 WARMUP_TOKENS = 8 * K
 
 
-def _config(shape: str, seq: int):
+def _config(shape: str, seq: int, layers: int | None = None):
     from tests.test_memory_prediction import qwen3_config
     from ulysses_lc.tiny import tiny_model_config
     from ulysses_lc.yarn import apply_yarn
 
-    config = tiny_model_config() if shape == "tiny" else qwen3_config(shape)
+    config = tiny_model_config() if shape == "tiny" else qwen3_config(shape, layers)
     config.use_cache = False
     return apply_yarn(config, max(seq, WARMUP_TOKENS))
 
 
-def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | None):
+def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | None, layers: int | None = None):
     import psutil
 
     from ulysses_lc import ModelShape
@@ -79,7 +83,7 @@ def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | 
     from ulysses_lc.train.estimate import count_params
 
     cuda = torch.cuda.is_available()
-    config = _config(shape, seq or WARMUP_TOKENS)
+    config = _config(shape, seq or WARMUP_TOKENS, layers)
     ds_config = check_deepspeed_config(load_deepspeed_config(ds_name), ParallelLayout(1, 1), gradient_accumulation_steps=1)
     check_optimizer_block(resolve_precision(ds_config, torch.bfloat16 if cuda else torch.float32), 1e-5, 0.0)
     num_params = count_params(config)
@@ -101,17 +105,19 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
     from ulysses_lc.distributed import init_distributed
     from ulysses_lc.train.estimate import plan_reservations
 
-    shape, seq, ds_name, _ = rung
+    shape, seq, ds_name, _, *layers = rung
+    layers = layers[0] if layers else None
     rec = dict(id=name, date=time.strftime("%Y-%m-%d"), shape=shape, ds_config=ds_name, sp=1, world=1,
                head_groups="auto", packed=False, harness="zero3", command=" ".join(sys.argv))
-    config, ds_config, job, limits = _job_and_limits(shape, seq, ds_name, host_gb)
-    rec.update(params=job.num_params, layers=job.shape.layers, limits_gb=[limits.gpu_bytes / GB, limits.host_bytes / GB])
+    config, ds_config, job, limits = _job_and_limits(shape, seq, ds_name, host_gb, layers)
+    rec.update(held_out=shape not in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "tiny"), params=job.num_params,
+               layers=job.shape.layers, limits_gb=[limits.gpu_bytes / GB, limits.host_bytes / GB])
     if seq is None:
         seq = job.longest(limits)
         if not seq:
             rec.update(status="no length fits", verdict=job.fit(1024, limits).verdict())
             return rec
-    config = _config(shape, seq)
+    config = _config(shape, seq, layers)
     if client_adam and "optimizer" in ds_config:
         ds_config = {k: v for k, v in ds_config.items() if k != "optimizer"}
         ds_config["zero_force_ds_cpu_optimizer"] = False
@@ -187,8 +193,8 @@ def _child(cmd, log_path: Path, seconds: float) -> str | None:
 
 def _estimate_s(rung, host_gb) -> tuple[float, dict]:
     """Seconds the rung should take (start-up + warm-up + 1.25 x its predicted step), from the dry run's arithmetic."""
-    shape, seq, ds_name, startup = rung
-    _, _, job, limits = _job_and_limits(shape, seq, ds_name, host_gb)
+    shape, seq, ds_name, startup, *layers = rung
+    _, _, job, limits = _job_and_limits(shape, seq, ds_name, host_gb, layers[0] if layers else None)
     seq = seq or job.longest(limits)
     if not seq:  # the child only prices it: no model is built
         return 30, {}
@@ -261,7 +267,7 @@ def main():
         print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     (out / "ladder.json").write_text(json.dumps(records, indent=1))
     keys = ("id", "date", "machine", "command", "shape", "layers", "seq", "sp", "world", "plan", "head_groups",
-            "packed", "harness", "ds_config", "params", "gpu_peak", "gpu_reserved", "host_rss", "pinned")
+            "packed", "harness", "ds_config", "params", "gpu_peak", "gpu_reserved", "host_rss", "pinned", "held_out")
     points = [{k: r[k] for k in keys if k in r} for r in records if r.get("status") == "ok"]
     (out / "points.json").write_text(json.dumps(points, indent=1))
     table = _table(records)

@@ -316,3 +316,18 @@ def test_trainer_checkpoint_loads_as_a_plain_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=input_ids).logits, trained(input_ids=input_ids).logits,
                                    rtol=0, atol=0)
+
+
+def test_an_engine_built_without_our_mpu_is_refused():
+    """The Trainer path reaches accelerate's deepspeed.initialize through a patch that works only while accelerate looks
+    the function up at call time: the first training step checks that the engine holds our mpu (issue 28, item 4)."""
+    from types import SimpleNamespace
+
+    from ulysses_lc.hf_trainer import check_engine_mpu
+
+    layout = SimpleNamespace()
+    check_engine_mpu(SimpleNamespace(mpu=SimpleNamespace(layout=layout)), layout)
+    for engine in (SimpleNamespace(mpu=None), SimpleNamespace(mpu=SimpleNamespace(layout=SimpleNamespace())),
+                   torch.nn.Linear(1, 1)):
+        with pytest.raises(RuntimeError, match="without ulysses_lc's mpu"):
+            check_engine_mpu(engine, layout)

@@ -32,13 +32,30 @@ CASES += [(sp, f, DOCS, NO_LEVERS, ()) for sp in (4, 2) for f in LINEAR_FAMILIES
 # Every lever: chunked loss, tiled MLP (the MoE blocks with their shared expert and its gate), checkpoints offloaded,
 # the bf16-saving norms in the "1 + weight" and gated forms; with YaRN, and with packed documents.
 CASES += [(2, f, None, ALL_LEVERS, YARN) for f in LINEAR_FAMILIES] + [(2, "qwen3_next", DOCS, ALL_LEVERS, ())]
+# LoRA on the attention and MLP projections (`--lora-targets all`): the DeltaNet's own weights frozen.
+CASES += [(2, "qwen3_5", None, ALL_LEVERS, (("lora", True),))]
+
+
+def build_case(family, overrides):
+    overrides = dict(overrides)
+    if not overrides.pop("lora", False):
+        return build(family, **overrides)
+    from peft import get_peft_model
+
+    from ulysses_lc.peft_support import lora_config
+
+    model = build(family, **overrides)
+    torch.manual_seed(1)
+    config = lora_config(4, 8)
+    config.init_lora_weights = False  # random A and B: every adapter gradient non-zero
+    return get_peft_model(model, config)
 
 
 @functools.lru_cache(maxsize=None)
 def reference(family, docs, overrides=()):
     """Plain transformers: the whole sequence, or each document alone (losses combined token-weighted)."""
     input_ids, labels = make_sequence(SEQ, seed=7)
-    model = build(family, **dict(overrides))
+    model = build_case(family, overrides)
     pieces = [(0, SEQ)] if docs is None else [(a, a + n) for a, n in zip(STARTS, docs)]
     total, count = 0.0, 0
     for a, b in pieces:
@@ -56,7 +73,7 @@ def cases_worker(rank, world_size, cases):
     results = []
     for sp, family, docs, levers, overrides in cases:
         layout = layouts[sp]
-        model = SequenceParallelCausalLM(build(family, **dict(overrides)), layout, min_offload_bytes=0, **levers)
+        model = SequenceParallelCausalLM(build_case(family, overrides), layout, min_offload_bytes=0, **levers)
         batch = shard_batch(input_ids, layout, labels=labels, document_lengths=list(docs) if docs else None)
         loss = model(**batch.as_kwargs())
         loss.backward()
@@ -77,7 +94,7 @@ def test_linear_families_equal_single_process():
         if docs is not None:  # the documents matter: the same results miss the unpacked sequence
             with pytest.raises(AssertionError):
                 assert_close(*ranks[0], *reference(family, None, overrides))
-        if overrides:  # so does YaRN, on the partial rotary dims
+        if "yarn_to" in dict(overrides):  # so does YaRN, on the partial rotary dims
             assert build(family, **dict(overrides)).config.rope_parameters["partial_rotary_factor"] == 0.5
             with pytest.raises(AssertionError):
                 assert_close(*ranks[0], *reference(family, docs))

@@ -74,7 +74,7 @@ def test_mfu_and_peak():
 EXPECTED_KEYS = {
     "step", "total_steps", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
     "tflops_per_gpu", "hardware_tflops_per_gpu", "effective_tflops_per_gpu", "mfu", "gpu_mem_gb",
-    "host_rss_gb", "host_used_gb", "time",
+    "host_rss_gb", "host_used_gb", "time", "kernel_fallbacks",
 }
 
 

@@ -177,3 +177,45 @@ def test_document_lengths_from_restarting_positions():
     assert document_lengths_from_positions(torch.arange(6)) is None  # one run: nothing packed
     with pytest.raises(ValueError, match="restart at 0"):
         document_lengths_from_positions(torch.tensor([1, 2, 0, 1]))
+
+
+def test_a_layer_that_drops_the_borders_is_refused(monkeypatch):
+    """Document borders reach the attention function through transformers' layer **kwargs: a model (or a release)
+    whose layers drop them let packed documents attend to each other silently. Now each attention call checks."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    model = SequenceParallelCausalLM(build("qwen3"), layout, checkpointing=False, offload=False)
+    batch = shard_batch(torch.cat(_documents()), layout, document_lengths=LENGTHS)
+    model(**batch.as_kwargs())  # borders delivered: trains
+    forward = Qwen3DecoderLayer.forward
+
+    def dropping(self, hidden_states, *args, **kwargs):
+        kwargs.pop("document_bounds", None)
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen3DecoderLayer, "forward", dropping)
+    with pytest.raises(ValueError, match="got no document borders though the batch is packed"):
+        model(**batch.as_kwargs())
+    unpacked = shard_batch(torch.cat(_documents()), layout)
+    model(**unpacked.as_kwargs())  # unpacked: nothing to deliver, nothing refused
+
+
+def test_a_gated_deltanet_layer_that_drops_the_borders_is_refused(monkeypatch):
+    """The same guard on the linear-attention layers (Qwen3.5): their conv and recurrence restart at the borders only
+    if the borders reach them."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    model = SequenceParallelCausalLM(build("qwen3_5"), layout, checkpointing=False, offload=False)
+    batch = shard_batch(torch.cat(_documents()), layout, document_lengths=LENGTHS)
+    model(**batch.as_kwargs())
+    forward = Qwen3_5DecoderLayer.forward
+
+    def dropping(self, hidden_states, *args, **kwargs):
+        kwargs.pop("document_bounds", None)
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen3_5DecoderLayer, "forward", dropping)
+    with pytest.raises(ValueError, match=r"\(Qwen3_5GatedDeltaNet\) got no document borders"):
+        model(**batch.as_kwargs())

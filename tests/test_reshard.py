@@ -157,3 +157,29 @@ def test_missing_shards_of_the_saved_ranks_are_named_with_the_fix(saved_run, mon
     assert "(zero_pp_rank_1_mp_rank_00_model_states.pt, bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt)" in message, message
     assert "gather the checkpoint folder onto one file system that every rank reads" in message, message
 
+
+
+def _same_world_worker(rank, world_size, tmp):
+    """4 ranks: the uninterrupted run at sp 4 (global batch 2 = ga 2), then its step-SAVE_AT checkpoint resumed on the
+    same 4 ranks at sp 2 x dp 2 (ga 1): ZeRO-3 shards as saved, another SP and DP split of each step's sequences."""
+    os.chdir(tmp)
+    full = train(_config(tmp, output_dir="full_sp4", sp_size=4, global_batch=2, save_every=SAVE_AT))
+    out = Path("sp4_to_sp2")
+    if rank == 0:
+        shutil.copytree("full_sp4", out, ignore=shutil.ignore_patterns(*[f"step{s}" for s in range(SAVE_AT + 1, STEPS + 1)]))
+        (out / "checkpoints" / "latest").write_text(f"step{SAVE_AT}")
+    torch.distributed.barrier()
+    resumed = train(_config(tmp, output_dir=str(out), sp_size=2, resume=True))
+    return [r["loss"] for r in full], [r["loss"] for r in resumed]
+
+
+def test_resume_on_the_same_world_with_another_sp_size(tmp_path):
+    """Issue 28, item 5: 4 ranks at sp 4 saved, resumed on 4 ranks at sp 2 x dp 2, on the uninterrupted trajectory."""
+    full, resumed = run_distributed(_same_world_worker, 4, str(tmp_path))[0]
+    assert len(full) == STEPS and len(resumed) == STEPS - SAVE_AT
+    np.testing.assert_allclose(resumed, full[SAVE_AT:], rtol=LOSS_RTOL)
+    reference, weights = _final_weights(tmp_path / "full_sp4"), _final_weights(tmp_path / "sp4_to_sp2")
+    assert weights.keys() == reference.keys()
+    for key, ref in reference.items():
+        err = float((weights[key] - ref).detach().norm() / ref.detach().norm())
+        assert err <= WEIGHT_RTOL, f"{key}: relative error {err:.1e}"

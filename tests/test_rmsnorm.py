@@ -100,6 +100,59 @@ def test_temporaries_exist_one_chunk_at_a_time():
     assert LargestFp32.largest == 5 * 48
 
 
+def _norm_classes():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    return {"llama": (Qwen3RMSNorm, {"eps": 1e-6}), "gemma": (Gemma3RMSNorm, {"eps": 1e-6}),
+            "cast_after": (GptOssRMSNorm, {"eps": 1e-5})}
+
+
+# Each form's backward against autograd through the class's own forward (issue 28, item 5): fp32 at 1e-5 relative,
+# bf16 at 1e-2 (its inputs' rounding).
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("form", ["llama", "gemma", "cast_after"])
+def test_each_form_backward_matches_its_class(form, dtype, tol):
+    cls, kwargs = _norm_classes()[form]
+    torch.manual_seed(0)
+    norm = cls(40, **kwargs).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 1.5)
+    x = torch.randn(5, 40, dtype=dtype, requires_grad=True)
+    g = torch.randn(5, 40, dtype=dtype)
+    ref = norm(x)
+    want = torch.autograd.grad(ref, (x, norm.weight), g)
+    install_efficient_rmsnorm(norm)
+    assert "forward" in norm.__dict__
+    out = norm(x)
+    got = torch.autograd.grad(out, (x, norm.weight), g)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    for a, b in zip(got, want):
+        err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert err <= tol, (form, dtype, err)
+
+
+def test_a_changed_upstream_formula_is_caught_and_left_alone(monkeypatch, caplog):
+    """The forms are hard-coded per class name: a transformers release that changed Qwen3RMSNorm's formula would have
+    changed the numbers silently. Now each class is compared at install and keeps its own forward on a mismatch."""
+    original = Qwen3RMSNorm.forward
+
+    def changed(self, hidden_states):  # e.g. Gemma's (1 + weight) form adopted upstream
+        return original(self, hidden_states) + hidden_states * torch.rsqrt(
+            hidden_states.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon).to(hidden_states.dtype)
+
+    model = build("qwen3")
+    monkeypatch.setattr(Qwen3RMSNorm, "forward", changed)
+    with caplog.at_level("WARNING", logger="ulysses_lc.rmsnorm"):
+        handle = install_efficient_rmsnorm(model)
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    assert handle.mismatched == ["Qwen3RMSNorm"] and "no longer computes the form" in caplog.text
+    monkeypatch.setattr(Qwen3RMSNorm, "forward", original)
+    assert install_efficient_rmsnorm(model).mismatched == []
+    assert [m for m in model.modules() if "forward" in m.__dict__]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_gated_norm_matches_transformers(dtype, tol):
     # The gated DeltaNet's output norm (Qwen3.5's RMSNormGated): whole, and in row chunks of 7 (a ragged last one,

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.models import build
 from ulysses_lc.tiled_mlp import TiledMLP, auto_num_tiles, install_tiled_mlp
 from ulysses_lc.tiled_mlp import plain_parameter_name
 
@@ -138,3 +139,18 @@ def test_moe_router_aux_loss_refused():
     model = Qwen3MoeForCausalLM(copy.deepcopy(config))
     with pytest.raises(ValueError, match="output_router_logits"):
         install_tiled_mlp(model)
+
+
+def test_each_tiled_mlp_is_a_zero3_leaf_by_deepspeeds_own_test():
+    """ZeRO-3 must gather the MLP once per layer and reduce after the last tile: DeepSpeed reads that off its leaf flag,
+    which TiledMLP sets through DeepSpeed's public setter (not a private attribute of its own)."""
+    from deepspeed.utils import get_z3_leaf_modules, z3_leaf_module
+
+    from ulysses_lc import install_tiled_mlp
+
+    model = build("qwen3")
+    handle = install_tiled_mlp(model)
+    leaves = get_z3_leaf_modules(model)
+    assert len(leaves) == model.config.num_hidden_layers and all(z3_leaf_module(m) for m in leaves)
+    handle.undo()
+    assert get_z3_leaf_modules(model) == []

@@ -4,12 +4,11 @@ model check). The multi-rank parity against transformers is test_window_parity.p
 Tolerances: fp64 kernels 1e-12 absolute; the fp32 loss head 1e-5 relative (test_chunked_loss's).
 """
 
-import math
-
 import pytest
 import torch
 from transformers import Gemma3TextConfig, GptOssConfig, KimiLinearConfig, Llama4TextConfig, MistralConfig
 
+from tests._attention_ref import dense_reference
 from tests.models import WINDOW_FAMILIES, build, tiny_config
 from ulysses_lc import check_model_for_ulysses, install_efficient_rmsnorm
 from ulysses_lc.chunked_loss import chunked_cross_entropy
@@ -18,21 +17,6 @@ from ulysses_lc.metrics import model_flops_per_step
 from ulysses_lc.shape import ModelShape
 from ulysses_lc.window_attention import window_attention
 from ulysses_lc.yarn import apply_yarn
-
-
-def dense_reference(q, k, v, scale, window, sinks=None, bounds=None):
-    """Softmax over an explicit mask: key j <= query i, j > i - window, same document; sinks as one more column."""
-    b, h, s, _ = q.shape
-    k, v = (x.repeat_interleave(h // x.shape[1], 1) for x in (k, v))
-    i, j = torch.arange(s)[:, None], torch.arange(s)[None]
-    allowed = (j <= i) & (j > i - (window or s))
-    if bounds is not None:
-        doc = torch.bucketize(torch.arange(s), torch.tensor(bounds[1:-1]), right=True)
-        allowed &= doc[:, None] == doc[None]
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, s, 1)], -1)
-    return scores.softmax(-1)[..., :s] @ v
 
 
 def _inputs(b, h, h_kv, s, d, sinks, seed=0):

@@ -8,6 +8,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, per document for packed sequences
   explicit_attention.py  SDPA's forward/backward ops called directly: kept outputs, head groups
   window_attention.py  sliding-window causal attention and attention sinks (Mistral, Gemma 3, gpt-oss), exact
+  fallbacks.py      which kernel errors mean "no kernel for these inputs"; each fallback taken, for the step record
   linear_attention.py  gated DeltaNet layers (Qwen3.5, Qwen3-Next): exchange, then conv and recurrence whole (fla/torch)
   attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
   recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
@@ -25,6 +26,7 @@ One module per idea (README.md, "How a step flows", follows a step through them)
   yarn.py           apply_yarn: YaRN RoPE scaling in the config, before weights load
   ds_config.py      DeepSpeed config checks
   hf_trainer.py     UlyssesTrainer: the same step inside transformers' Trainer or TRL's SFTTrainer
+  trainer_engine.py the Trainer's DeepSpeed engine gets our mpu (accelerate's initialize reached, the engine checked)
   hf_dpo.py         ulysses_trainer(DPOTrainer): TRL's DPO rows as packed pairs, its loss on SP log-probabilities
   distributed.py    init_distributed: one process-group start for deepspeed, torchrun, accelerate and plain python
 Every install_* returns a Handle whose undo() gives the model back as it was. The main job that strings them

@@ -35,6 +35,7 @@ from .layout import ParallelLayout, check_heads
 from .linear_attention import LINEAR_MODEL_TYPES, check_linear_heads, install_linear_attention
 from .recompute import LayerRun, RecomputeContext
 from .shape import ModelShape, text_config
+from .sharding import check_document_bounds
 from .window_attention import window_attention
 
 logger = logging.getLogger(__name__)
@@ -116,12 +117,19 @@ class UlyssesAttention:
         # in the name: transformers checks a model's own SDPA support for any name containing it, and gpt-oss has
         # none (its sinks), though Ulysses attention computes them.
         self.name = name or f"ulysses_lc_{kernel.replace('sdpa', 'torch')}_{next(_instance_ids)}"
+        # False once SequenceParallelCausalLM.probe_attention found no explicit kernel for this model's call:
+        # the plan then counts no kept outputs or head groups (fallbacks.py).
+        self.explicit_ok = True
+        # The packed batch's borders while SequenceParallelCausalLM.hidden_states runs a forward (None: unpacked):
+        # each call checks that transformers' layer kwargs brought them here.
+        self.expected_bounds = None
         logger.info("ulysses_lc attention: kernel %s, sp_size %d", kernel, layout.sp_size)
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, document_bounds=None,
                  **kwargs):
         if attention_mask is not None:
             raise ValueError(_MASK_REFUSED)
+        check_document_bounds(self.expected_bounds, document_bounds, module)
         if kwargs.get("softcap") is not None:
             raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} soft-caps its attention logits "
                              f"(softcap={kwargs['softcap']}), which no kernel here computes at any sp; train this model "
@@ -228,7 +236,7 @@ class UlyssesAttention:
                     f"{shape.kv_heads} kv heads over sp_size {sp} = {local_kv}; pick a divisor of "
                     f"{local_kv}, or head_groups='auto'."
                 )
-        linear = install_linear_attention(model, self.layout)
+        linear = install_linear_attention(model, self.layout, borders=self)
         self.register()
         previous = model.config._attn_implementation
         _set_attn(model, self.name)

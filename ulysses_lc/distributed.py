@@ -16,6 +16,7 @@ the SP groups can be placed inside nodes (layout.py) and files written once per 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -287,6 +288,17 @@ def local_world_size() -> int | None:
     return int(launched["LOCAL_WORLD_SIZE"]) if launched else None
 
 
+def seed_step(seed: int, rank: int, step: int, micro: int = 0) -> None:
+    """Seed every torch RNG for one micro step of one rank from (seed, rank, step, micro).
+
+    A step's random draws (dropout: LoRA's, attention's) then differ between ranks, where one seed on every rank
+    repeated the same masks on each slice of the sequence and in each DP group, and they are a function of the step
+    alone: a resumed run draws what the uninterrupted one drew, on any world size, with no RNG state to carry (a
+    ZeRO-3 checkpoint holds rank 0's only)."""
+    digest = hashlib.blake2b(f"{seed}/{rank}/{step}/{micro}".encode(), digest_size=8).digest()
+    torch.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
 __all__ = ["bind_cuda_device", "default_backend", "destroy_distributed", "expand_nodelist", "init_distributed",
-           "launcher_node_index", "local_world_size", "mpi_variables", "node_id", "number_nodes", "single_process_defaults", "slurm_variables",
-           "stale_build_locks", "world_size"]
+           "launcher_node_index", "local_world_size", "mpi_variables", "node_id", "number_nodes", "seed_step",
+           "single_process_defaults", "slurm_variables", "stale_build_locks", "world_size"]

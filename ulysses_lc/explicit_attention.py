@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from . import fallbacks
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,7 +71,6 @@ _EXPLICIT = {
     "flash": (_flash_forward, _flash_backward),
     "cpu": (_cpu_forward, _cpu_backward),
 }
-_REFUSED: set = set()  # (backend, dtype, head_dim, gqa) that raised once: not tried again
 _LOGGED: set = set()
 
 
@@ -225,18 +226,16 @@ def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int
     backend name and the kernel's (out, lse, aux) are appended to it."""
     check_head_groups(q_bhsd, k_bhsd, groups)
     for backend in explicit_backends(q_bhsd, kernel):
-        key = (backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
-        if key in _REFUSED:
+        key = fallbacks.call_key("explicit attention", backend, q_bhsd, k_bhsd)
+        if fallbacks.refused(key):
             continue
         got = []
         try:
             out = ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, groups, None, got)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as e:
-            _REFUSED.add(key)
-            logger.warning("explicit attention: backend %s refused %s (%s); trying the next one", backend,
-                           tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
+        except RuntimeError as e:  # OutOfMemoryError and every error that is not a refusal propagate
+            if isinstance(e, torch.OutOfMemoryError) or not fallbacks.is_no_kernel_error(e):
+                raise
+            fallbacks.record(key, e)
             continue
         if sink is not None:
             sink.append((backend, *got[0]))

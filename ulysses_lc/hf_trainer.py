@@ -34,7 +34,6 @@ loss, compute_metrics), more than one sequence per device batch, the Trainer's g
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -45,8 +44,9 @@ from .attention import check_model_for_ulysses
 from .constants import IGNORE_INDEX
 from .data import pad_token_id
 from .ds_config import check_deepspeed_config
-from .distributed import init_distributed
+from .distributed import init_distributed, seed_step
 from .layout import ParallelLayout
+from .trainer_engine import check_engine_mpu, deepspeed_initialize_with_mpu
 from .model import SequenceParallelCausalLM
 from .sharding import document_lengths_from_positions, shard_batch
 
@@ -106,39 +106,6 @@ class _EpochDataLoader(DataLoader):
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-
-
-@contextlib.contextmanager
-def deepspeed_initialize_with_mpu(layout: ParallelLayout):
-    """While inside, `deepspeed.initialize` gets `layout.mpu` and a train_batch_size counted over the DP axis.
-
-    accelerate calls `deepspeed.initialize` itself and passes an mpu only on its own sequence-parallel path
-    (DeepSpeed's attention and dataloader adapter); this is the one call we need to reach. Re-entrant; the
-    original function is back on leaving.
-    """
-    import deepspeed
-
-    original = deepspeed.initialize
-    if getattr(original, "_ulysses_lc_layout", None) is not None:
-        yield
-        return
-
-    def initialize(*args, mpu=None, config=None, config_params=None, **kwargs):
-        if mpu is not None:
-            raise ValueError("deepspeed.initialize got another mpu (accelerate's sequence parallelism?); ulysses_lc "
-                             "brings its own: remove parallelism_config from the TrainingArguments.")
-        ds_config = config if config is not None else config_params
-        if isinstance(ds_config, dict):
-            ds_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
-            ds_config = check_deepspeed_config(ds_config, layout)
-        return original(*args, mpu=layout.mpu, config=ds_config, **kwargs)
-
-    initialize._ulysses_lc_layout = layout
-    deepspeed.initialize = initialize
-    try:
-        yield
-    finally:
-        deepspeed.initialize = original
 
 
 def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None = None, sft_loss: bool = True) -> None:
@@ -324,7 +291,11 @@ class UlyssesTrainerMixin:
 
     def training_step(self, model, inputs, *args, **kwargs):
         if not self._planned:
+            check_engine_mpu(self.model_wrapped, self.layout)
             self._plan_memory(inputs["input_ids"].shape[1] * self.layout.sp_size, packed="cu_seqlens" in inputs)
+        # Per rank and micro step (the Trainer seeds every rank alike): dropout masks differ between the SP slices.
+        self._micro_steps = getattr(self, "_micro_steps", 0) + 1
+        seed_step(self.args.seed, self.layout.rank, self.state.global_step, self._micro_steps)
         return super().training_step(model, inputs, *args, **kwargs)
 
     def _plan_memory(self, batch_len: int, packed: bool = False) -> None:
@@ -334,6 +305,7 @@ class UlyssesTrainerMixin:
         longest = torch.tensor([max(self.seq_len or 0, batch_len)], dtype=torch.int64, device=device)
         torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=self.layout.world_group)
         wrapper = self.model
+        wrapper.probe_attention(device, next(wrapper.parameters()).dtype)  # the plan for the kernel actually used
         wrapper.use_plan(wrapper.plan_step(int(longest), device, packed=packed))
         self._planned = True
         # One start-up block, as the main job prints one (train/console.py), once the first batch fixed the length.
@@ -388,5 +360,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["SEQUENCE_COLUMNS", "ShardingCollator", "UlyssesTrainerMixin", "check_trainer_setup",
+__all__ = ["SEQUENCE_COLUMNS", "ShardingCollator", "UlyssesTrainerMixin", "check_engine_mpu", "check_trainer_setup",
            "deepspeed_initialize_with_mpu", "ulysses_trainer"]

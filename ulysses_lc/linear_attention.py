@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import types
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +34,7 @@ from .exchange import bshd_heads_to_seq, bshd_seq_to_heads
 from .handle import Handle
 from .layout import ParallelLayout
 from .shape import text_config
+from .sharding import check_document_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +200,7 @@ class GatedDeltaNetMixer:
 
     def __init__(self, module, layout: ParallelLayout, kernel: str):
         self.layout, self.kernel = layout, kernel
+        self.borders = None  # install_linear_attention's borders: a packed forward's expected_bounds
         sp, rank = layout.sp_size, layout.sp_rank
         hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
         self.key_copies = sp // hk if hk < sp else 1
@@ -274,6 +275,7 @@ class GatedDeltaNetMixer:
                 return module._ulysses_original_forward(hidden_states, cache, attention_mask, **kwargs)
             raise ValueError(f"gated DeltaNet layer {module.layer_idx} under sequence parallelism takes neither a cache "
                              "nor an attention_mask; pass use_cache=False and no mask (see shard_batch).")
+        check_document_bounds(getattr(self.borders, "expected_bounds", None), document_bounds, module)
         q, k, v, z, b, a = self.projections(module, hidden_states)
         if self.key_copies > 1:  # fewer key heads than ranks: each rank receives the one its value heads read
             q, k = (x.repeat_interleave(self.key_copies, dim=2) for x in (q, k))
@@ -309,14 +311,15 @@ def _check_layer(module) -> None:
                          "or train at sp_size=1 without ulysses_lc's levers.")
 
 
-def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto") -> Handle:
+def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto", borders=None) -> Handle:
     """Run every gated DeltaNet layer of `model` through GatedDeltaNetMixer over `layout`; the Handle's undo() gives
     each its own forward back, and `.kernel` / `.why` say which kernel runs them. A model without such layers gets a
     Handle that does nothing (kernel None).
 
     ZeRO-3: the layer's own parameters (A_log, dt_bias) and its submodules' are gathered by their modules' hooks as
     usual; the conv weight too, because the layer's conv1d is called as a module (`GatedDeltaNetMixer.conv`), which
-    transformers' own forward does not do."""
+    transformers' own forward does not do. borders: an object whose `expected_bounds` holds a packed forward's
+    borders (the UlyssesAttention): each layer checks it got them."""
     mixers = [m for m in model.modules() if is_gated_deltanet(m)]
     handle = Handle(None, "gated DeltaNet")
     handle.kernel = handle.why = None
@@ -330,7 +333,9 @@ def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto"
         _check_layer(module)
         if "_ulysses_original_forward" in module.__dict__:
             raise ValueError("gated DeltaNet exchange is already installed; call the undo of the first install.")
-        GatedDeltaNetMixer(module, layout, handle.kernel).attach(module)
+        mixer = GatedDeltaNetMixer(module, layout, handle.kernel)
+        mixer.borders = borders
+        mixer.attach(module)
 
     def undo():
         for module in mixers:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import fallbacks
 from .shape import ModelShape
 
 
@@ -248,6 +249,8 @@ class StepLogger:
             "host_rss_gb": host_rss_gb,
             "host_used_gb": host_used_gb,
             "time": time.time(),
+            # Kernels that refused a call of this step and the one that ran instead (fallbacks.py): [] normally.
+            "kernel_fallbacks": [f.line() for f in fallbacks.unreported()],
             **extra,
         }
         if self.flops is not None:
@@ -302,6 +305,8 @@ class StepLogger:
             f"MFU {_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%')}",
             f"gpu {_fmt(r['gpu_mem_gb'], '.1f', ' GB')}", f"host {r['host_rss_gb']:.1f} GB (node {r['host_used_gb']:.1f} GB)",
         ]
+        if r.get("kernel_fallbacks"):
+            parts.append(f"kernel fallback: {'; '.join(r['kernel_fallbacks'])}")
         return " | ".join(parts)
 
     def close(self) -> None:

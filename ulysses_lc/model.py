@@ -9,14 +9,18 @@ re-gather before backward) in charge of the LM head as of any other layer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fallbacks
 from .attention import install_ulysses_attention
 from .checkpointing import install_checkpointing
 from .chunked_loss import ChunkedLossHead, final_logit_softcap, install_chunked_loss_head
 from .constants import IGNORE_INDEX
+from .explicit_attention import explicit_attention, keeps_attention_outputs
 from .layout import ParallelLayout
 from .loss import sp_mean_loss
 from .memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
@@ -121,6 +125,28 @@ class SequenceParallelCausalLM(nn.Module):
             self.levers.append(self.checkpointing)
         self.plan = plan
 
+    def probe_attention(self, device: torch.device, dtype: torch.dtype, tokens: int = 256) -> tuple:
+        """Run this model's attention kernels once, forward and backward, on `tokens` random tokens of this rank's
+        heads (each window size its layers use), so that a kernel that refuses them is known before the plan is
+        made and named in the start-up block (fallbacks.py). Returns every fallback taken so far; where no explicit
+        kernel takes the full-attention call, plans count no kept outputs or head groups (`plan_step`)."""
+        from .window_attention import window_attention
+
+        shape, sp = self.shape, self.layout.sp_size
+        heads, kv_heads = shape.heads // sp, max(1, shape.kv_heads // sp)
+        make = functools.partial(torch.randn, device=device, dtype=dtype, requires_grad=True)
+        q, k, v = make(1, heads, tokens, shape.head_dim), make(1, kv_heads, tokens, shape.head_dim), \
+            make(1, kv_heads, tokens, shape.head_dim)
+        if keeps_attention_outputs(self.attention.kernel):
+            out = explicit_attention(q, k, v, None, self.attention.kernel)
+            self.attention.explicit_ok = out is not None
+            if out is not None:
+                out.sum().backward()
+        sinks = torch.zeros(heads, device=device, dtype=dtype) if shape.sinks else None
+        for window in sorted({w for w in shape.layer_windows if w is not None and w < tokens}):
+            window_attention(q, k, v, None, window, sinks, self.attention.kernel).sum().backward()
+        return fallbacks.taken()
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters of the wrapped model, each counted once, whole also when ZeRO-3 has partitioned it (where
         transformers' own `num_parameters`, which the Trainer calls, would count this rank's empty stubs)."""
@@ -148,6 +174,7 @@ class SequenceParallelCausalLM(nn.Module):
             reserved_bytes = optimizer_reserved_bytes(self.num_parameters(only_trainable=True), self.layout.world_size)
         return plan_step_memory(self.shape, seq_len, self.layout, device, kernel=self.attention.kernel,
                                 head_groups=self.attention.head_groups, offload=self.offload,
+                                explicit_ok=self.attention.explicit_ok,
                                 reserved_bytes=reserved_bytes, packed=packed, budget=budget,
                                 long_documents=long_documents)
 
@@ -215,9 +242,15 @@ class SequenceParallelCausalLM(nn.Module):
             )
         # Packed documents: their boundaries reach the attention function through transformers' layer kwargs.
         extra = {} if cu_seqlens is None else {"document_bounds": tuple(int(n) for n in cu_seqlens.tolist())}
-        return self.causal_lm.base_model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
-        ).last_hidden_state
+        # Every attention call of this forward checks that the borders reached it (a model that drops **kwargs
+        # would let the documents attend to each other).
+        self.attention.expected_bounds = extra.get("document_bounds")
+        try:
+            return self.causal_lm.base_model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
+            ).last_hidden_state
+        finally:
+            self.attention.expected_bounds = None
 
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None):
         """The sequence's mean loss; with `documents` (an int, preference training) the [documents] summed

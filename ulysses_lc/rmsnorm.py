@@ -13,6 +13,7 @@ the normalised values from them.
 
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .handle import Handle
+
+logger = logging.getLogger(__name__)
 
 
 # fp32 bytes of one row chunk's temporaries. Forward and backward walk rows in chunks of this size: the fp32
@@ -185,17 +188,59 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__ in _RMSNORM_FORMS and isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
+def _matches_upstream(module: nn.Module, form) -> str | None:
+    """None when `form` computes what `module`'s own class computes, on a small tensor in fp32 and bf16; else
+    what differs. A stand-in of the class with a fresh weight is compared, so ZeRO-3's empty weight stubs are no
+    obstacle: the forms are hard-coded per class, and a formula changed upstream must not change the numbers."""
+    cls = type(module)
+    width = getattr(module.weight, "ds_shape", module.weight.shape)[-1]
+    stand_in = cls.__new__(cls)
+    nn.Module.__init__(stand_in)
+    stand_in.__dict__.update({k: v for k, v in module.__dict__.items()
+                              if k not in ("_parameters", "_buffers", "_modules", "forward")})
+    generator = torch.Generator().manual_seed(0)
+    stand_in.weight = nn.Parameter(0.5 + torch.rand(width, generator=generator))
+    inputs = [3 * torch.randn(4, width, generator=generator)]
+    if form is _gated_forward:  # the gated norm's second input, the gate z
+        inputs.append(torch.randn(4, width, generator=generator))
+    with torch.no_grad():
+        for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            stand_in.weight.data = stand_in.weight.data.to(dtype)
+            args = [x.to(dtype) for x in inputs]
+            ours, theirs = form(stand_in, *args), cls.forward(stand_in, *args)
+            if ours.dtype != theirs.dtype or not torch.allclose(ours.float(), theirs.float(), rtol=rtol, atol=rtol):
+                return (f"{dtype}: ours {ours.dtype} vs {cls.__name__} {theirs.dtype}, max difference "
+                        f"{(ours.float() - theirs.float()).abs().max().item():.3g}")
+    return None
+
+
 def install_efficient_rmsnorm(model: nn.Module) -> Handle:
-    """Switch every RMSNorm of a known form in `model` to RMSNormFunction; the Handle's undo() switches them back."""
-    patched = [m for m in model.modules() if _is_rmsnorm(m)]
-    for module in patched:
-        module.forward = types.MethodType(_RMSNORM_FORMS[type(module).__name__], module)
+    """Switch every RMSNorm of a known form in `model` to RMSNormFunction; the Handle's undo() switches them back.
+
+    Each class is first compared with its own forward on a small tensor (`_matches_upstream`); a class whose
+    formula no longer matches ours (a transformers release that changed it) keeps its own forward, with a warning."""
+    patched, checked = [], {}
+    for module in model.modules():
+        if not _is_rmsnorm(module):
+            continue
+        name = type(module).__name__
+        if name not in checked:
+            checked[name] = _matches_upstream(module, _RMSNORM_FORMS[name])
+            if checked[name] is not None:
+                logger.warning("bf16-saving RMSNorm: %s no longer computes the form ulysses_lc has for it (%s); it "
+                               "keeps transformers' own forward (more activation memory, the same numbers)", name,
+                               checked[name])
+        if checked[name] is None:
+            module.forward = types.MethodType(_RMSNORM_FORMS[name], module)
+            patched.append(module)
 
     def undo():
         for module in patched:
             module.__dict__.pop("forward", None)
 
-    return Handle(undo, "bf16-saving RMSNorm")
+    handle = Handle(undo, "bf16-saving RMSNorm")
+    handle.mismatched = sorted(name for name, why in checked.items() if why is not None)
+    return handle
 
 
 __all__ = ["GatedRMSNormFunction", "RMSNormFunction", "install_efficient_rmsnorm"]

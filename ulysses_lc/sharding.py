@@ -108,6 +108,18 @@ def document_lengths_from_positions(position_ids_s: torch.Tensor) -> list[int] |
     return [b - a for a, b in zip(starts, [*starts[1:], len(position_ids_s)])]
 
 
+def check_document_bounds(expected: tuple | None, got, module) -> None:
+    """ValueError unless a layer of a packed forward received the batch's borders (`expected`, the whole sequence's,
+    None for an unpacked batch): they reach attention through transformers' layer **kwargs, and a model (or a release)
+    whose layers drop them would let the documents attend to each other."""
+    if expected is not None and got != expected:
+        raise ValueError(
+            f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__}) got no document borders though "
+            "the batch is packed: this model's layers do not pass their keyword arguments on to the attention, so "
+            "the packed documents would attend to each other. Train it unpacked (without --packing, no "
+            "cu_seqlens): one stream of text per sequence.")
+
+
 def shard_batch(
     input_ids: torch.Tensor,
     layout: ParallelLayout,

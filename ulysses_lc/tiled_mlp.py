@@ -18,14 +18,19 @@ shape: measured on an H200 at 256k it removed only 16 of the ~70 KB per token th
 recompute and backward hold (BENCHMARKS.md). The floor keeps each tile's matmuls large enough to
 run at full rate. Every rank of an SP group holds the same s, so they agree without a collective.
 
-ZeRO-3: each TiledMLP is marked a ZeRO-3 "leaf" module, so DeepSpeed gathers all of the MLP's
-parameters once in the wrapper's forward pre-hook (and once before its backward) and does not
-register hooks on the inner Linear layers. `deepspeed.zero.GatheredParameters` around the tile
-loop is not enough: the inner modules' own post-forward hooks would release the weights after
-every tile and the next tile would gather them again. A leaf module's parameters get no
-per-parameter reduction hooks either: ZeRO-3 reduces them once, in the wrapper's backward hook,
-after the last tile. (We still mark `ds_grad_is_ready = False` until the last tile, the flag
-DeepSpeed's own TiledMLP sets, in case a version hooks the parameters after all.)
+ZeRO-3: each TiledMLP makes itself a ZeRO-3 leaf module through DeepSpeed's public `set_z3_leaf_module` (the
+one-module form of `set_z3_leaf_modules`), before `deepspeed.initialize` registers its hooks. What that buys,
+read off DeepSpeed 0.19's `parameter_offload._register_deepspeed_module` and
+`stage3.create_reduce_and_remove_grad_hooks`:
+  - gathering: the inner Linear layers are not registered as DeepSpeed modules, so they get no hooks; the leaf's
+    own pre-forward and pre-backward hooks fetch all of its parameters (recursively), once for the whole tile loop.
+    `deepspeed.zero.GatheredParameters` around the loop is not enough: registered inner modules' post-forward hooks
+    would release the weights after every tile and the next tile would gather them again;
+  - reduction: a leaf's parameters get no per-parameter gradient hook. One full backward hook on the leaf reduces
+    them (zero-filling any left without a gradient) when the leaf's input gradient exists, which is when
+    TiledMLPFunction.backward returns, after its last tile: every tile's gradient has been accumulated by then.
+We also keep `ds_grad_is_ready = False` until the last tile, the flag DeepSpeed's own TiledMLP sets and
+`reduce_ready_partitions_and_remove_grads` reads, so a per-parameter hook, were one registered, would wait too.
 """
 
 import math
@@ -135,8 +140,9 @@ class TiledMLP(nn.Module):
         self.mlp = mlp
         self.intermediate_size = intermediate_size
         self.num_tiles = num_tiles
-        # Read by DeepSpeed ZeRO-3 when it registers hooks (see the module docstring).
-        self._z3_leaf = True
+        from deepspeed.utils import set_z3_leaf_module
+
+        set_z3_leaf_module(self, True)  # module docstring: one gather per layer, one reduction after the last tile
         self.register_state_dict_post_hook(_drop_wrapper_prefix)
         self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
 

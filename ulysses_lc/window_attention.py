@@ -37,6 +37,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from . import fallbacks
 from .explicit_attention import causal_ops, explicit_backends
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 WINDOW_HOWS = ("auto", "band", "flash_window")
 BAND_MIN_WINDOW = 2048  # CUDA: the band from this window up, flash_window below (module docstring)
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
-_REFUSED: set = set()
 
 
 def band_bytes_per_token(shape) -> int:
@@ -304,19 +304,17 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
     if how == "auto" and q_bhsd.is_cuda and bounds is None:
         tries += band if chosen == "flash_window" else [("flash_window", "flash")]
     for impl, backend in tries:
-        key = (impl, backend, q_bhsd.dtype, q_bhsd.shape[-1], q_bhsd.shape[1] != k_bhsd.shape[1])
-        if key in _REFUSED:
+        key = fallbacks.call_key("window attention", f"{impl}/{backend}", q_bhsd, k_bhsd, window)
+        if fallbacks.refused(key):
             continue
         got = []
         try:
             out = WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, impl, backend, bounds, None,
                                         got)
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as e:
-            _REFUSED.add(key)
-            logger.warning("window attention: %s/%s refused %s (%s); trying the next one", impl, backend,
-                           tuple(q_bhsd.shape), str(e).splitlines()[0][:200])
+        except RuntimeError as e:  # OutOfMemoryError and every error that is not a refusal propagate
+            if isinstance(e, torch.OutOfMemoryError) or not fallbacks.is_no_kernel_error(e):
+                raise
+            fallbacks.record(key, e)
             continue
         if sink_list is not None:
             sink_list.append((impl, backend, got[0]))

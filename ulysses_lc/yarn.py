@@ -35,6 +35,7 @@ max_position_embeddings is only ever raised (to the target, or to trained * fact
 transformers warns when max_position_embeddings / original_max_position_embeddings differs from `factor`).
 """
 
+import dataclasses
 import functools
 import logging
 import math
@@ -157,6 +158,8 @@ def plan_rope(config, target_length: int, factor: float | None = None, *, rope_s
     rope_scaling: 'pretrained' keeps or extends the model's own scaling; 'yarn' replaces any with YaRN on purpose.
     """
     plan = _decide(config, target_length, factor, rope_scaling, sp_size)
+    if _per_layer_type(config):  # Gemma 3: the sliding layers keep their local RoPE (module docstring)
+        plan = dataclasses.replace(plan, summary=plan.summary + " on the full-attention layers")
     _log_once(logging.INFO, f"RoPE for {target_length:,} tokens: {plan.summary}.")
     return plan
 

@@ -66,12 +66,20 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+# What a collective raises when its peer is gone: gloo's transport (a plain RuntimeError) and NCCL's remote error,
+# abort or watchdog timeout (DistBackendError). Matched only on those types, so an error that merely names a
+# backend ("NCCL error: invalid argument", a shape bug inside a collective) keeps its traceback.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process",
+              "remoteerror", "communicator was aborted", "watchdog caught collective operation timeout")
+
+
 def _is_lost_peer(e: BaseException) -> bool:
+    """Whether `e` only says that another rank is gone (its cause is that rank's to report), by error type."""
     import torch.distributed as dist
 
-    text = str(e).lower()
-    return isinstance(e, dist.DistError) or any(
-        s in text for s in ("connection closed by peer", "connection reset", "broken pipe", "nccl", "gloo"))
+    if isinstance(e, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return type(e) in (RuntimeError, dist.DistBackendError) and any(s in str(e).lower() for s in _PEER_GONE)
 
 
 def _fail(e: BaseException) -> None:

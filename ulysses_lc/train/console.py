@@ -6,6 +6,7 @@ import os
 import sys
 import warnings
 
+from .. import fallbacks
 from ..metrics import StepLogger
 from ..sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
 from ..yarn import describe_rope_scaling
@@ -138,7 +139,7 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
            "frozen (no optimizer state)" if checked.trainable_params is not None else ""),
         f"length    {cfg.seq_len:,} tokens per step, {yarn}",
         *([reference_line(cfg, estimate)] if cfg.method == "dpo" else []),
-        f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}",
+        f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}; fallbacks {fallbacks.summary()}",
         f"layers    {layers_line(checked.model_config, kernel, deltanet or DELTANET_RULE)}",
         f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
         "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"

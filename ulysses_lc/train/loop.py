@@ -25,7 +25,7 @@ import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
 from ..data.cache import default_cache_dir
-from ..distributed import init_distributed, world_size
+from ..distributed import init_distributed, seed_step, world_size
 from ..layout import ParallelLayout
 from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
@@ -147,13 +147,14 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
     dpo_step = DPOStep(cfg, layout, model_config.vocab_size, pad_token_id(tokenizer),
                        load_reference(cfg, checked, device, layout)) if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
-    # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only less
-    # device memory free now than the limits leave changes it, and the plan line says so. One that does not fit
+    # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only device
+    # memory held outside this job (another process) changes it, and the plan line says so. One that does not fit
     # stops here.
     limits, limits_line = run_limits(cfg, checked, device, layout) or (None, None)
     ranks_here = layout.ranks_on_node()
     job = job_for(cfg, checked, num_params, ranks_here)
     reserve = plan_reservations(job, limits) if limits else {}
+    model.probe_attention(device, checked.dtype)  # a kernel that refuses this model's call is known before the plan
     plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, long_documents=cfg.long_documents,
                             **reserve).with_overrides(
         cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
@@ -167,8 +168,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
             kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
             limits_line=limits_line, deltanet=model.deltanet,
             node=node_line(estimate, ranks_here, beside) if limits else None,
-            differs=None if plan == dry else "less device memory is free now than the limits leave (another process "
-                                             "on this GPU?); the dry run's plan would not fit"))
+            differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
+                                             "(another process on this GPU?), which the dry run's plan needs"))
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
@@ -215,6 +216,7 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
+                seed_step(cfg.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
                     window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
                     loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
