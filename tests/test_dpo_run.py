@@ -180,3 +180,15 @@ def test_dry_run_prices_the_dpo_step_measured_on_an_h200():
     assert 110.0 <= predicted <= 1.10 * 110.0, predicted
     assert TrainConfig(method="dpo", seq_len=262144).long_documents
     assert not TrainConfig(method="dpo", seq_len=262144, packing=True).long_documents
+
+
+def test_dpo_data_parallel_run_each_group_its_own_pairs(tmp_path):
+    # sp 1 on 2 ranks: two DP groups, one pair each per step. The precomputed reference must be each group's own
+    # pair's (window indexing under DP): it trains the frozen copy's trajectory.
+    base = dict(steps=3, export=False, sp_size=1)
+    copy = run_shared(train_worker, 2, dpo_config(tmp_path, **base), kind="deepspeed")[0]
+    assert [r["documents"] for r in copy] == [4, 4, 4]  # 2 pairs a step, over both groups
+    assert copy[0]["loss"] == pytest.approx(np.log(2), abs=1e-6) and copy[-1]["reward_margin"] > 0
+    pre = dpo_config(tmp_path, dpo_reference="precomputed", output_dir=str(tmp_path / "pre"), **base)
+    precomputed = run_shared(train_worker, 2, pre, kind="deepspeed")[0]
+    np.testing.assert_allclose([r["loss"] for r in precomputed], [r["loss"] for r in copy], rtol=1e-6)

@@ -32,7 +32,7 @@ CASES += [(sp, f, DOCS, NO_LEVERS, ()) for sp in (4, 2) for f in LINEAR_FAMILIES
 # Every lever: chunked loss, tiled MLP (the MoE blocks with their shared expert and its gate), checkpoints offloaded,
 # the bf16-saving norms in the "1 + weight" and gated forms; with YaRN, and with packed documents.
 CASES += [(2, f, None, ALL_LEVERS, YARN) for f in LINEAR_FAMILIES] + [(2, "qwen3_next", DOCS, ALL_LEVERS, ())]
-# LoRA on the attention and MLP projections (`--lora-targets all`): the DeltaNet's own weights frozen.
+# LoRA on every projection (`--lora-targets all`): attention, MLP and the DeltaNet's own in_proj_* and out_proj.
 CASES += [(2, "qwen3_5", None, ALL_LEVERS, (("lora", True),))]
 
 

@@ -74,8 +74,8 @@ def predict_point(point: dict) -> tuple[float, float]:
                                  {"zero_optimization": {"stage": 3}}, head_groups=point["head_groups"],
                                  packed=point["packed"])
         predicted = job.predict(point["seq"], plan)
-        # The measurement is the rank's own RSS: the launcher, a process of its own, is counted in the node's figure.
-        return predicted.gpu, predicted.host - predicted.launcher_host
+        # The measurement is the rank's own RSS: the launcher and what the kernel holds for pinned pages are the node's.
+        return predicted.gpu, predicted.host - predicted.node_host_share
     # bench_step: its measured static (bf16 weights, AdamW's bf16 moments) and bf16 gradients; no ZeRO-3.
     act, pinned = memory.plan_bytes(shape, point["seq"], plan, sp_size=point["sp"], head_groups=point["head_groups"],
                                     packed=point["packed"])

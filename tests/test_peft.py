@@ -132,3 +132,19 @@ def test_peft_setups_that_cannot_be_exact_are_refused():
             SequenceParallelCausalLM(get_peft_model(build("qwen3"), config), layout)
     with pytest.raises(ValueError, match="leave lm_head out"):
         lora_config(4, targets="q_proj,lm_head")
+
+
+def test_lora_all_adapts_the_gated_deltanet_projections_too():
+    """`--lora-targets all` covered the attention and MLP projections only, leaving a hybrid's DeltaNet layers (three
+    in four of Qwen3.5's) without adapters; now their in_proj_* and out_proj get them, and a dense model still takes
+    "all" without being told of modules it lacks."""
+    from tests.models import tiny_config
+    from ulysses_lc.peft_support import apply_peft, count_trainable_parameters, lora_config
+
+    config = lora_config(4, targets="all")
+    model = apply_peft(build("qwen3_5"), config)
+    adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "down_proj"} <= adapted
+    assert count_trainable_parameters(tiny_config("qwen3"), config)[1] > 0
+    with pytest.raises(ValueError, match=r"LoRA targets \['in_proj_qkv'\] are not modules"):
+        count_trainable_parameters(tiny_config("qwen3"), lora_config(4, targets="q_proj,in_proj_qkv"))

@@ -25,7 +25,7 @@ from .chunked_loss import auto_chunk_rows, loss_head_bytes
 from .explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
 from .layout import ParallelLayout
 from .linear_attention import recurrence_block_bytes
-from .memory_model import ALLOCATOR_SLACK, HOST_HEADROOM, StepTerms, zero3_working_bytes
+from .memory_model import ALLOCATOR_SLACK, CONTEXT_BYTES, HOST_HEADROOM, StepTerms, zero3_working_bytes
 from .shape import ModelShape
 from .window_attention import band_bytes_per_token
 
@@ -256,6 +256,17 @@ def measure_free_memory(device: torch.device, layout: ParallelLayout) -> tuple[i
     return int(free[0]), int(free[1])
 
 
+def measure_foreign_bytes(device: torch.device, layout: ParallelLayout) -> int:
+    """Device bytes in use that no term of the plan's budget counts, the largest over all ranks: what the GPU has in
+    use beyond this process's caching allocator and the CUDA context in use so far (memory_model.CONTEXT_BYTES less
+    LATER_CONTEXT_BYTES, still to come). Another process on the GPU shows here. Collective: every rank calls it."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
+    foreign = torch.tensor([max(outside - (CONTEXT_BYTES - LATER_CONTEXT_BYTES), 0)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(foreign, op=torch.distributed.ReduceOp.MAX, group=layout.world_group)
+    return int(foreign)
+
+
 def plan_step_memory(
     shape: ModelShape, seq_len: int, layout: ParallelLayout, device: torch.device, *, kernel: str = "auto",
     head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0, packed: bool = False,
@@ -267,9 +278,10 @@ def plan_step_memory(
     (`attention_policy`).
 
     budget: (device, host) bytes the plan may use by the dry run's arithmetic for the run's limits (sizing.Job.budget:
-    --gpu-memory-gb, --host-memory-gb): the plan is the dry run's, `plan_memory` within it, unless less device memory
-    is free now (another process on the GPU), which then wins. Host memory is the budget's (the limit per rank is
-    the node's share, the node's launcher counted), not what is free at this moment. Without CUDA the budget plans as
+    --gpu-memory-gb, --host-memory-gb): the plan is the dry run's, `plan_memory` within it, less only the device
+    memory held outside this process's allocator beyond the CUDA context the budget allows for so far
+    (`measure_foreign_bytes`: another process on the GPU). Host memory is the budget's (the limit per rank is the
+    node's share, the node's launcher counted), not what is free at this moment. Without CUDA the budget plans as
     on a GPU of that size; without budget and CUDA every layer is checkpointed and offloaded, attention outputs kept
     where the kernel allows (on a CPU that only exercises the paths). Drivers call it through
     `SequenceParallelCausalLM.plan_step`, which passes the wrapper's own kernel, head groups and offload, and
@@ -277,15 +289,18 @@ def plan_step_memory(
     keep_attention, groups = attention_policy(shape, kernel, head_groups, packed, explicit_ok)
     if device.type != "cuda" and budget is None:
         return MemoryPlan.everything_checkpointed(shape.layers, keep_attention)
-    if device.type == "cuda":
+    if budget is not None:
+        # The budget counts this job's own device memory by the memory model's terms (ZeRO-3 state, CUDA context);
+        # what is free now, by its own accounting, is no second opinion on them (on one H200 it read less than the
+        # budget and the run planned one layer fewer on the GPU than its dry run, whose prediction of the step
+        # it did plan was 4% above the measured peak: BENCHMARKS.md). Only memory no term counts takes from it.
+        device_free = budget[0] - (measure_foreign_bytes(device, layout) if device.type == "cuda" else 0)
+        host_free = budget[1]
+    else:
         device_free, host_free = measure_free_memory(device, layout)
         device_free -= (reserved_bytes + LATER_CONTEXT_BYTES
                         + zero3_working_bytes(shape.largest_module_params) * (1 + ALLOCATOR_SLACK))
         host_free *= HOST_HEADROOM
-    else:
-        device_free = host_free = float("inf")
-    if budget is not None:
-        device_free, host_free = min(device_free, budget[0]), budget[1]
     return plan_memory(
         shape, seq_len, device_free, sp_size=layout.sp_size, host_free_bytes=max(host_free, 0),
         offload=offload, keep_attention=keep_attention, head_groups=groups, packed=packed,
@@ -298,5 +313,6 @@ def plan_step_memory(
 LATER_CONTEXT_BYTES = 10**9
 
 
-__all__ = ["MemoryPlan", "attention_policy", "can_keep_attention", "measure_free_memory", "optimizer_reserved_bytes",
+__all__ = ["MemoryPlan", "attention_policy", "can_keep_attention", "measure_foreign_bytes", "measure_free_memory",
+           "optimizer_reserved_bytes",
            "plan_bytes", "plan_memory", "plan_step_memory", "step_terms", "zero3_state_bytes"]

@@ -56,6 +56,12 @@ HOST_PROCESS_BYTES = int(3.0e9)
 # RSS each, torchrun's agent 0.23 GB (measured on a CPU machine, 2026-12-01: they import torch but no CUDA), rounded
 # up to 1 GB per node.
 LAUNCHER_BYTES = 10**9
+# What the node's kernel and GPU driver hold for pinned pages, outside any process's RSS, as a share of them: one H200
+# node, 2026-12-01, 123.3 GB pinned by one rank (Qwen3-8B + LoRA at 256k): node used 129.3 GB at its peak against
+# 125.9 GB rank RSS + 0.4 GB in use before the job, 3.0 GB beyond them and the launcher's 0.25 (BENCHMARKS.md). One
+# point: counted as a share of the pinned bytes, which covers a constant of that size at this point and grows with
+# more pinned memory; 2.5%.
+PINNED_NODE_SHARE = 0.025
 # A pinned buffer is rounded up to whole pages (host_pool.py).
 PAGE_BYTES = 4096
 # The planner leaves a tenth of the host memory it is given to the rest of the node (page cache, the OS).
@@ -124,5 +130,6 @@ def zero3_working_bytes(largest_module_params: int) -> int:
     return 2 * 2 * largest_module_params
 
 
-__all__ = ["ALLOCATOR_SLACK", "CONTEXT_BYTES", "HOST_HEADROOM", "HOST_PROCESS_BYTES", "LAUNCHER_BYTES", "StepTerms",
+__all__ = ["ALLOCATOR_SLACK", "CONTEXT_BYTES", "HOST_HEADROOM", "HOST_PROCESS_BYTES", "LAUNCHER_BYTES",
+           "PINNED_NODE_SHARE", "StepTerms",
            "zero3_working_bytes"]

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-# The projections of a Llama/Qwen3 decoder layer: attention and MLP (what `--lora-targets all` means).
-ALL_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of a decoder layer that `--lora-targets all` adapts: attention and MLP (Llama, Qwen3, ...), and the
+# gated DeltaNet layer's own (Qwen3.5: in_proj_qkv / _z / _b / _a; Qwen3-Next: in_proj_qkvz / _ba; both: out_proj),
+# which linear_attention.py calls as modules, so their adapters run. A model has only some of them.
+ALL_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                      "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 
 _NEEDS_PEFT = "this needs the peft package: pip install 'ulysses_lc[peft]'"
 
@@ -99,7 +102,8 @@ def count_trainable_parameters(model_config, peft_config) -> tuple[int, int]:
         base = AutoModelForCausalLM.from_config(model_config)
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)})
     targets = getattr(peft_config, "target_modules", None)
-    missing = sorted(set(targets) - set(linear)) if isinstance(targets, (list, set, tuple)) else []
+    named = isinstance(targets, (list, set, tuple)) and set(targets) != set(ALL_LINEAR_TARGETS)  # "all": those it has
+    missing = sorted(set(targets) - set(linear)) if named else []
     if missing:
         raise ValueError(f"LoRA targets {missing} are not modules of {type(base).__name__}; its linear modules are "
                          f"{linear} (--lora-targets takes them comma-separated, or all).")

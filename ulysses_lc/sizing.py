@@ -44,7 +44,7 @@ class StepMemory:
     state_host: int  # offloaded ZeRO-3 partitions
     act_host: int  # pinned offloaded activations
     process_host: int  # the host process itself (memory_model.HOST_PROCESS_BYTES)
-    launcher_host: int = 0  # this rank's share of the node's launcher (memory_model.LAUNCHER_BYTES / ranks per node)
+    node_host_share: int = 0  # the node's memory outside the ranks' processes counted per rank (Job.node_share)
     ranks_per_node: int = 1
 
     @property
@@ -62,7 +62,7 @@ class StepMemory:
     @property
     def host(self) -> int:
         """Per rank: its process, offloaded state and activations, and its share of the node's launcher."""
-        return self.process_host + self.state_host + self.act_host + self.launcher_host
+        return self.process_host + self.state_host + self.act_host + self.node_host_share
 
     @property
     def node_host(self) -> int:
@@ -135,10 +135,11 @@ class Job:
     preference: bool = False
     ranks_per_node: int = 1  # ranks sharing one node's host memory and its launcher
 
-    @property
-    def launcher_share(self) -> int:
-        """Host bytes of the node's launcher counted per rank (memory_model.LAUNCHER_BYTES over the node's ranks)."""
-        return -(-memory_model.LAUNCHER_BYTES // self.ranks_per_node)
+    def node_share(self, pinned: int = 0) -> int:
+        """Host bytes outside the ranks' processes counted per rank: its share of the node's launcher
+        (memory_model.LAUNCHER_BYTES over the node's ranks) and what the kernel and driver hold for its `pinned`
+        bytes (memory_model.PINNED_NODE_SHARE)."""
+        return -(-memory_model.LAUNCHER_BYTES // self.ranks_per_node) + int(memory_model.PINNED_NODE_SHARE * pinned)
 
     @classmethod
     def from_ds_config(cls, shape: ModelShape, num_params: int, world_size: int, sp_size: int, ds_config: dict,
@@ -178,17 +179,20 @@ class Job:
                                        offload=self.offload, packed=self.packed, long_documents=self.long_documents)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES,
-                          self.launcher_share, self.ranks_per_node)
+                          self.node_share(act_host), self.ranks_per_node)
 
     def budget(self, limits: Limits) -> tuple[float, float]:
         """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
         ZeRO-3 state and its gathered weights (with their allocator slack), the host process and its share of the
-        node's launcher leave; what memory.plan_memory and the run's plan_step (`budget=`) plan within."""
+        node's launcher leave (on the host: for pinned bytes, each with its node share); what memory.plan_memory and
+        the run's plan_step (`budget=`) plan within."""
         state_gpu, state_host = self.state_bytes()
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu
                   - gathered * (1 + memory_model.ALLOCATOR_SLACK))
-        return device, limits.host_bytes - memory_model.HOST_PROCESS_BYTES - self.launcher_share - state_host
+        # The pinned activations also cost the node PINNED_NODE_SHARE of themselves: what is left buys less of them.
+        host = limits.host_bytes - memory_model.HOST_PROCESS_BYTES - self.node_share() - state_host
+        return device, host / (1 + memory_model.PINNED_NODE_SHARE)
 
     def plan(self, seq_len: int, limits: Limits) -> MemoryPlan:
         """The plan memory.plan_memory chooses within `budget(limits)`."""

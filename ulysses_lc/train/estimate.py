@@ -173,7 +173,8 @@ def node_line(estimate: MemoryEstimate, ranks: int, beside: int | None = None) -
     the job at its start; what the step line's "node" figure is measured against."""
     m = estimate.memory
     text = (f"{m.node_host / GB:.1f} GB host predicted per node ({ranks} rank{'s' if ranks > 1 else ''} x "
-            f"{m.host / GB:.1f} GB, the launcher's {m.launcher_host * ranks / GB:.0f} GB counted)")
+            f"{m.host / GB:.1f} GB; the launcher and the kernel's share for pinned pages, "
+            f"{m.node_host_share * ranks / GB:.1f} GB, counted)")
     if beside is None:
         return text
     return (f"{(m.node_host + beside) / GB:.1f} GB host predicted on this node: {text[:text.index(' GB')]} for the job "

@@ -155,8 +155,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
     dpo_step = DPOStep(cfg, layout, model_config.vocab_size, pad_token_id(tokenizer),
                        load_reference(cfg, checked, device, layout)) if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
-    # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only less
-    # device memory free now than the limits leave changes it, and the plan line says so. One that does not fit
+    # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only device
+    # memory held outside this job (another process) changes it, and the plan line says so. One that does not fit
     # stops here.
     limits, limits_line = run_limits(cfg, checked, device, layout) or (None, None)
     ranks_here = layout.ranks_on_node()
@@ -176,8 +176,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
             kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
             limits_line=limits_line, deltanet=model.deltanet,
             node=node_line(estimate, ranks_here, beside) if limits else None,
-            differs=None if plan == dry else "less device memory is free now than the limits leave (another process "
-                                             "on this GPU?); the dry run's plan would not fit"))
+            differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
+                                             "(another process on this GPU?), which the dry run's plan needs"))
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
