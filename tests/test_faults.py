@@ -302,3 +302,179 @@ def test_read_only_and_quota_errors_name_the_cause_and_the_fix(tmp_path):
     quota = save_failure(path, OSError(errno.EDQUOT, "Disk quota exceeded"), **args)
     assert "the disk quota there is used up (EDQUOT; `quota -s` shows it)" in quota and "free " in quota
     assert f"saving the checkpoint in {path.parent} failed at {path.name}" in quota
+
+
+# -- one writer per run folder (issue 30) ----------------------------------------------------------------------
+
+def _second_job_worker(rank, world_size, tmp):
+    import logging
+
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.run_lock import FolderBusy
+
+    os.chdir(tmp)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("ulysses_lc.train")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=1, lr=3e-3, cache_dir="cache", export=False,
+                      output_dir="run")
+    try:
+        if os.path.exists("run/.ulysses_lc-lock") and os.path.getsize("run/.ulysses_lc-lock") and \
+                "99999999" not in open("run/.ulysses_lc-lock").read():
+            try:
+                train(cfg)
+            except FolderBusy as e:
+                return {"refused": str(e), "cache_made": os.path.exists("cache")}
+            return {"refused": None}
+        train(cfg)
+        return {"lines": list(lines)}
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_second_job_on_a_run_folder_refuses_and_a_dead_runs_lock_is_taken_over(tmp_path):
+    import socket
+
+    from tests._dist import run_shared
+    from ulysses_lc.train.run_lock import LOCK, RunLock
+
+    (tmp_path / "run").mkdir()  # (a lock that made its folder removes it again where nothing else was written)
+    held = RunLock.acquire(tmp_path / "run")  # the first job, still running (this process)
+    try:
+        second = run_shared(_second_job_worker, 2, str(tmp_path), kind="deepspeed")
+    finally:
+        held.release()
+    for result in second:  # every rank refuses, naming the holder, before any work (no token cache, no metrics)
+        assert result["refused"] is not None, result
+        assert result["refused"].startswith(f"run is the run folder of another job that is still "
+                                            f"running (pid {os.getpid()} on host {socket.gethostname()}, started ")
+        assert "pass another --output-dir" in result["refused"] and not result["cache_made"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK]
+    # A run killed without a word (SIGKILL, a lost node) leaves its lock file behind, held by no one.
+    (tmp_path / "run" / LOCK).write_text(json.dumps({"host": "n7", "pid": 99999999, "started": "then"}))
+    taken = run_shared(_second_job_worker, 2, str(tmp_path), kind="deepspeed")[0]
+    assert any(line.startswith("run: took over the lock of a run that is no longer running (pid 99999999 on host n7, "
+                               "started then)") for line in taken["lines"]), taken["lines"]
+    assert (tmp_path / "run" / LOCK).read_text() == ""  # ended: no holder to name
+
+
+# -- preemption (issue 30) -------------------------------------------------------------------------------------
+
+PREEMPT_ARGS = ["--steps", "200", "--seq-len", "256", "--lr-schedule", "constant", "--no-export", "--cache-dir",
+                "cache", "--output-dir", "run"]
+
+
+def _reference_and_resume(rank, world_size, tmp, steps):
+    from tests.test_training import train_worker
+    from ulysses_lc.train import TrainConfig
+
+    os.chdir(tmp)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=steps, lr=3e-3, lr_schedule="constant",
+                      export=False, cache_dir="cache", output_dir="reference")
+    from dataclasses import replace
+
+    return train_worker(rank, world_size, cfg), train_worker(rank, world_size, replace(cfg, output_dir="run",
+                                                                                          resume=True))
+
+
+@pytest.mark.parametrize("launcher,target", [("deepspeed", "launcher"), ("torchrun", "group")])
+def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_goes_on(tmp_path, launcher, target):
+    """SIGTERM to DeepSpeed's runner alone (it forwards nothing: the ranks see it end), or to torchrun's whole process
+    group (every rank and the agent, which forwards it again): every rank stops at one step boundary, saves there
+    (--save-every 0: no other checkpoint), and exits; the resume continues the uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests._dist import _free_port, run_shared
+    from tests.test_run import LAUNCHERS, REPO, _env
+    from tests.test_training import losses_of
+
+    entry = [str(REPO / "examples" / "train_1m.py")] if launcher == "deepspeed" else ["-m", "ulysses_lc.train"]
+    cmd = [*LAUNCHERS[launcher](_free_port()), *entry, *PREEMPT_ARGS]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step 3/"):
+            break
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train" in " ".join(p.cmdline())
+             and "launch" not in " ".join(p.cmdline())]
+    if target == "launcher":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    out = "".join(seen) + proc.stdout.read()  # until every process holding the pipe (the ranks) has exited
+    proc.wait(timeout=120)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), out
+    why = "its launcher (pid" if target == "launcher" else "SIGTERM (from the scheduler"
+    stopped = [line for line in out.splitlines() if line.startswith("stopped at step ")]
+    assert len(stopped) == 1 and why in stopped[0], out
+    step = int(stopped[0].split()[3])
+    assert f"checkpoint run/checkpoints/step{step} written: --resume --output-dir run continues" in stopped[0]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == f"step{step}"
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reference, resumed = run_shared(_reference_and_resume, 2, str(tmp_path), step + 2, kind="deepspeed")[0]
+    np.testing.assert_allclose(logged[:step], losses_of(reference)[:step], rtol=1e-6)
+    np.testing.assert_allclose(losses_of(resumed), losses_of(reference)[step:], rtol=1e-6)
+
+
+# -- blame (issue 30) ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "none"])
+def test_rank_0_killed_is_named_in_the_last_lines_on_every_launcher(tmp_path, launcher):
+    """SIGKILL of rank 0 (under DeepSpeed's launcher and by hand its process holds the job's store): the last lines
+    name it, by global rank, and the other rank exits within the hang guard (a collective's timeout otherwise)."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests._dist import _free_port
+    from tests.test_run import LAUNCHERS, REPO, _env
+
+    args = ["--steps", "200", "--seq-len", "256", "--no-export", "--output-dir", "run"]
+    port = _free_port()
+    if launcher == "none":  # each rank started by hand, as a scheduler's own launch would
+        env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs = [subprocess.Popen([sys.executable, "-m", "ulysses_lc.train", *args], cwd=tmp_path,
+                                  env={**_env(), **env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        watched, rank0 = procs[1], psutil.Process(procs[0].pid)
+    else:
+        entry = [str(REPO / "examples" / "train_1m.py")] if launcher == "deepspeed" else ["-m", "ulysses_lc.train"]
+        procs = [subprocess.Popen([*LAUNCHERS[launcher](port), *entry, *args], cwd=tmp_path, env=_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+        watched = procs[0]
+    seen = []
+    for line in procs[0].stdout:
+        seen.append(line)
+        if line.startswith("step 3/"):
+            break
+    if launcher != "none":
+        ranks = [p for p in psutil.Process(procs[0].pid).children(recursive=True) if p.environ().get("RANK") == "0"
+                 and "train" in " ".join(p.cmdline())]
+        rank0 = ranks[-1]
+    pid = rank0.pid
+    rank0.kill()
+    out = (procs[0].stdout.read() if watched is procs[0] else watched.stdout.read())
+    for proc in procs:
+        proc.wait(timeout=120)  # a hang guard: without the watch the survivor waits out gloo's timeout
+        proc.stdout.close()
+    lines = [line for line in out.splitlines() if line.strip()]
+    ours = [i for i, line in enumerate(lines) if line.startswith("error (rank 0 on node 0, host ")
+            and f"rank 0 (pid {pid} on host" in line and "exited without a report" in line]
+    assert ours, out
+    if launcher == "torchrun":  # its closing summary, printed last, names the root cause by global rank
+        assert "rank      : 0 (local_rank: 0)" in "\n".join(lines[-6:]) and "SIGKILL" in lines[-2], lines[-8:]
+    elif launcher == "deepspeed":  # then launch.py's lines: "Killing subprocess" for each, and rank 0's exit code
+        assert ours[-1] >= len(lines) - 4 and lines[-1].endswith("exits with return code = -9"), lines[-6:]
+    else:
+        assert ours[-1] == len(lines) - 1, lines[-4:]  # the survivor's last line

@@ -256,16 +256,17 @@ def save_failure(path: Path, error: OSError, *, rank_bytes: int, world_size: int
     free = shutil.disk_usage(existing).free
     cause = _CAUSES.get(error.errno, f"the write failed ({error})")
     total = rank_bytes * world_size
-    fix = {errno.EROFS: "remount it read-write or pass another --output-dir",
-           errno.EACCES: "pass a folder this user can write to", errno.EPERM: "pass a folder this user can write to"}.get(
+    elsewhere = "pass a folder this user can write to"
+    fix = {errno.EROFS: "remount it read-write or pass another --output-dir", errno.EACCES: elsewhere,
+           errno.EPERM: elsewhere}.get(
         error.errno, f"free {human_bytes(max(0, total - free))} or more there"
         + (f", lower --keep-checkpoints (now {keep})" if keep != 1 else "") + ", or pass another --output-dir")
     kept = (f"the previous checkpoint {previous} is intact: --resume continues from it" if previous
             else "no earlier checkpoint exists")
     ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
     return (f"saving the checkpoint in {folder} failed at {path.name}: {cause}. Each rank writes about "
-            f"{human_bytes(rank_bytes)} (fp32 weights and optimizer moments), the checkpoint about {human_bytes(total)} "
-            f"over {ranks}; {human_bytes(free)} is free there. To go on, {fix}; {kept}.")
+            f"{human_bytes(rank_bytes)} (fp32 weights and optimizer moments), the checkpoint about "
+            f"{human_bytes(total)} over {ranks}; {human_bytes(free)} is free there. To go on, {fix}; {kept}.")
 
 
 def human_bytes(n: float) -> str:

@@ -28,6 +28,7 @@ from . import job_watch
 from .console import quiet_warnings
 from .job_table import record_for_launcher
 from .job_watch import GRACE_S
+from .stop import Stopped
 
 LOST_PEER_S = 20.0
 
@@ -58,6 +59,12 @@ def main(argv=None) -> None:
         destroy_distributed()
     except SystemExit:
         raise
+    except Stopped as e:  # asked to stop, and stopped with a checkpoint: one line, and the signal's exit code
+        if _rank() == 0:
+            print(e, file=sys.stderr, flush=True)
+            record_for_launcher(str(e))
+        destroy_distributed()
+        sys.exit(e.code)
     except BaseException as e:  # noqa: BLE001 - every failure ends here, reported once
         _fail(e)
 

@@ -72,6 +72,7 @@ class TrainConfig:
     host_memory_gb: float | None = None  # host memory per rank (default: the node's share; a dry run elsewhere: 225)
     max_seq_len: bool = False  # --dry-run only: find the longest --seq-len that fits
     node_timeout_s: float = 60.0  # a node silent this long (no heartbeat, no report) ends the job (job_watch.py)
+    stop_grace_s: float = 25.0  # SIGTERM/SIGINT: the step boundary and checkpoint must come within this (stop.py)
     # The fields set on the command line (parse_args); None: set in code, every field meant. On --resume the others
     # are the saved run's (resume.py).
     flags_given: tuple[str, ...] | None = None
@@ -130,6 +131,9 @@ class TrainConfig:
         if self.node_timeout_s < 5:
             raise ValueError(f"--node-timeout-s {self.node_timeout_s:g} is too short: heartbeats come once a second, "
                              "and a loaded node may miss a few; give 5 or more (default 60).")
+        if self.stop_grace_s <= 0:
+            raise ValueError(f"--stop-grace-s {self.stop_grace_s:g} must be positive: the seconds a stop may take to "
+                             "reach a step boundary and write its checkpoint (default 25, under launchers' 30).")
         if self.max_seq_len and not self.dry_run:
             raise ValueError("--max-seq-len sizes a run without loading it; add --dry-run.")
         if self.lora_r < 0 or (self.lora_r == 0 and "lora_r" in (self.flags_given or ())):
@@ -310,6 +314,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="the reference model: a frozen copy, the model with its LoRA adapters off, or precomputed "
                         "(the model as loaded, run once over the data before training, kept in the token cache; no "
                         "second model, no reference forward per step). auto: adapters with --lora-r, else copy")
+    p.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s,
+                   help="on SIGTERM or SIGINT (a preemption, a time limit, Ctrl-C) or the launcher's end, every rank "
+                        "stops at the next step boundary and saves a checkpoint; past this many seconds it exits "
+                        f"without one (default {d.stop_grace_s:g}: launchers SIGKILL their ranks 30 s after SIGTERM)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

@@ -1,17 +1,16 @@
 """A rank that fails on any node ends every rank of the job within seconds, and its cause is printed last on global
 rank 0's console (where the user looks) as well as on the node where it happened (issue 20).
 
-Why: torchrun, DeepSpeed's runner and srun each end the ranks of *their* node when one fails, nothing more. A rank that
-failed on node 1 left node 0 waiting in a collective (NCCL: its timeout, 30 min) or, on gloo, printing "lost contact"
-with no cause. The one channel every rank of every node has is the default process group's store (a TCPStore, hosted
-by node 0's torchrun agent or by rank 0), so reports travel through it.
+Why: launchers end the ranks of *their* node when one fails, nothing more: node 0 waited in a collective for a failed
+node 1 (NCCL: 30 min). Every rank of every node has the default group's store (a TCPStore, in node 0's torchrun agent
+or in rank 0), so reports travel through it.
 
 Contract (in a job of one process, all of it does nothing):
   start(failure, ...)  collective, right after the process group starts: gathers each rank's host, node, pid and
                        preflight outcome; where any rank's checks failed (a file on node 0's disk only), every rank
                        raises the same CheckFailed naming the first failing rank. Otherwise arms the watcher.
   JobWatch.stop(clean) at the end of train(), every path. clean: marks this rank done on the store (its exit is no
-                       fault) and restores SIGTERM; not clean (the process is failing): keeps the SIGTERM hook.
+                       fault), restores the signals; not clean (the process is failing): keeps their hook.
   publish(message)     a failing rank's report (rank, node, host, pid, message) on the store; the first one wins.
   await_cause(timeout) a rank that lost a peer runs the watcher's checks until one finds the cause and ends the
                        process, or `timeout` passes (the caller then says "lost contact").
@@ -19,25 +18,25 @@ Contract (in a job of one process, all of it does nothing):
 
 The watcher, one daemon thread per rank waking once a second (POLL_S), off the step's path:
   - every rank checks its node's peers' pids (psutil reads /proc). A peer gone without a report (SIGKILL, the OOM
-    killer): the lowest live rank of the node publishes "rank 5 (pid N on host h) exited without a report: ...".
-  - SIGTERM wakes the thread through signal.set_wakeup_fd, even while the main thread waits inside an NCCL collective.
-    Launchers send it to the siblings of a rank that died (torchrun within 0.1 s, before any poll could see the
-    death), so a sibling checks the pids then, reports, and exits.
+    killer): the lowest live rank of the node publishes "rank 5 (pid N on host h) exited without a report: ..."; rank
+    0's node peers read its report too where its process holds the store, to tell its own failure from a SIGKILL.
+  - SIGTERM and SIGINT wake the thread through signal.set_wakeup_fd, even while the main thread waits in a collective.
+    Launchers send SIGTERM to the siblings of a rank that died (torchrun within 0.1 s, before any poll could see the
+    death), so a sibling checks the pids then, reports, and exits. Otherwise it is a stop asked of the run (stop.py),
+    as the launcher's death seen by a poll is: for the loop's next step boundary, ended here past the grace period.
   - only each node's lowest rank (its leader) talks to the store: it reads the report key and adds one to its node's
     heartbeat counter; rank 0 also reads every node's counter in one multi_get. 2 requests a second per node, not
     per rank: about 250 a second for 1000 ranks on 125 nodes.
-  - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary,
-    exits 1, and the launcher ends the node's other ranks. A report from this node is printed by its reporter.
-  - a node whose counter stays still for node_timeout_s has no rank left to report (power, network): rank 0 reports
-    it. This thread moves the counter, so a long step does not stop it.
-  - the store gone (node 0's launcher or rank 0 ended): the leader says so after SETTLE_S, time for a report of its own
-    node to print first, and exits. A store that hangs instead (a network partition) blocks the thread.
+  - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary
+    and exits 1 (the launcher ends the node's other ranks). A report from this node is printed by its reporter.
+  - a node whose counter stays still for node_timeout_s (no rank left to report: power, network): rank 0 reports it.
+  - the store gone (node 0's launcher or rank 0 ended): the leader says so after SETTLE_S (a report of its own node
+    prints first), and exits. A store that hangs instead (a network partition) blocks the thread.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sys
 import threading
@@ -47,6 +46,7 @@ import uuid
 import torch
 
 from .job_table import RankTable, Report, agent_hosts_store, alive, gather, record_for_launcher, single
+from .stop import SignalHook, StopRequest, launcher_pids, signal_reason
 
 POLL_S = 1.0
 GRACE_S = 3.0  # a failing rank other than its node's speaker prints after this (cli.py): its launcher may end it first
@@ -58,28 +58,28 @@ _ending = threading.Lock()  # held by whichever thread ends the process, so one 
 _ending_own_failure = False  # True while cli reports this rank's own failure: a SIGTERM then ends the rank at once
 
 
-def start(failure: BaseException | None, *, node_timeout_s: float) -> JobWatch:
+def start(failure: BaseException | None, *, node_timeout_s: float, stop_grace_s: float = 25.0) -> JobWatch:
     """Agree on every rank's checks and arm the watcher (collective; call on every rank once the group is up).
 
     failure: this rank's preflight exception, or None; when any rank has one, every rank raises (preflight.
-    raise_agreed). node_timeout_s: TrainConfig.node_timeout_s.
+    raise_agreed). node_timeout_s, stop_grace_s: TrainConfig's.
     """
     from .preflight import outcome, raise_agreed
 
     global _current
     if _current is not None:
-        _current._disarm_signal()  # a train() before this one that failed kept its SIGTERM hook
+        _current.signals.disarm()  # a train() before this one that failed kept its signal hooks
     if torch.distributed.get_world_size() == 1:
         if failure is not None:
             raise failure
-        _current = JobWatch(single(), None, "", node_timeout_s)
+        _current = JobWatch(single(), None, "", node_timeout_s, stop_grace_s)
         return _current  # nothing to watch: stop() does nothing
     table, extras = gather((uuid.uuid4().hex[:12], outcome(failure)))
     if any(o is not None for _, o in extras):
-        _current = JobWatch(table, None, "", node_timeout_s)  # no thread: who speaks for the node, for cli
+        _current = JobWatch(table, None, "", node_timeout_s, stop_grace_s)  # no thread: who speaks for the node
         raise_agreed(failure, [o for _, o in extras], table)
     store = torch.distributed.distributed_c10d._get_default_store()
-    _current = JobWatch(table, store, f"ulysses_lc/job_watch/{extras[0][0]}/", node_timeout_s)
+    _current = JobWatch(table, store, f"ulysses_lc/job_watch/{extras[0][0]}/", node_timeout_s, stop_grace_s)
     _current._arm()
     return _current
 
@@ -132,14 +132,14 @@ def await_cause(timeout: float) -> str:
 class JobWatch:
     """The armed watch of one train() call: its rank table, the store, and the watcher thread."""
 
-    def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float):
+    def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float, stop_grace_s: float = 25.0):
         self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
+        self.stop_request, self._launchers = StopRequest(stop_grace_s), []  # what the loop is asked (stop.py)
         self.leader = table.rank == min(table.on_node(table.node))
         self._halt = threading.Event()
         self._clean = False  # stopped at the normal end of the run: nothing may end the process from the thread
         self._thread = None
-        self._wake = None  # (read fd, write fd) of the SIGTERM wake-up pipe
-        self._previous = None  # (SIGTERM handler, wake-up fd) before arming
+        self.signals = SignalHook()  # SIGTERM and SIGINT: a handler and the watcher's wake-up pipe (stop.py)
         self._store_lost_at = None  # monotonic time of the first failed store request
         self._own_node_report = None  # (report, monotonic time first seen): its reporter prints it
         now = time.monotonic()
@@ -159,7 +159,7 @@ class JobWatch:
             self.store.set(self._key(f"done/{self.table.rank}"), "1")
         except Exception:  # noqa: BLE001 - a store gone at the end of a clean run: nobody is left to be misled
             pass
-        self._disarm_signal()
+        self.signals.disarm()
 
     # -- arming ------------------------------------------------------------------------------------------------
 
@@ -167,51 +167,37 @@ class JobWatch:
         if self.table.rank == 0:  # every node's counter exists before rank 0 reads them (multi_get waits for a key)
             for node in self._beats:
                 self.store.add(self._key(f"beat/{node}"), 0)
-        # SIGTERM to a Python handler (the main thread, when it runs Python) and a wake-up byte for the watcher (at
-        # once, even while the main thread waits in a collective). Only the main thread may set either.
-        if threading.current_thread() is threading.main_thread():
-            self._wake = os.pipe()
-            for fd in self._wake:
-                os.set_blocking(fd, False)
-            handler = signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm())
-            self._previous = (handler, signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False))
+        self.signals.arm(lambda signum: self._on_signal(signum, watcher=False))
+        self._launchers = launcher_pids()
         self._thread = threading.Thread(target=self._run, name="ulysses-job-watch", daemon=True)
         self._thread.start()
-
-    def _disarm_signal(self) -> None:
-        if self._previous is None or threading.current_thread() is not threading.main_thread():
-            return
-        handler, wakeup_fd = self._previous
-        signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
-        signal.set_wakeup_fd(wakeup_fd)
-        for fd in self._wake:
-            os.close(fd)
-        self._previous = self._wake = None
 
     # -- the thread --------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._halt.is_set():
-            if self._woken_by_sigterm():
-                self._on_sigterm()
+            signum = self.signals.wait(POLL_S, self._halt)
+            if signum:
+                self._on_signal(signum, watcher=True)
             if not self._halt.is_set():
                 self._poll()
 
-    def _woken_by_sigterm(self) -> bool:
-        """Wait POLL_S, or less where a signal arrives first; True for a SIGTERM."""
-        try:
-            ready, _, _ = select.select([self._wake[0]], [], [], POLL_S)
-            return bool(ready) and signal.SIGTERM in os.read(self._wake[0], 512)
-        except (OSError, ValueError, TypeError):  # no pipe (not armed on the main thread), or closed by stop()
-            self._halt.wait(POLL_S)
-            return False
-
     def _poll(self) -> None:
-        """One round of checks; ends the process when one finds a failure."""
+        """One round of checks; ends the process when one finds a failure, or a stop asked is overdue."""
+        ended = [pid for pid in self._launchers if not alive(pid)]
+        if ended:  # the ranks never outlive their launcher
+            self._launchers = []
+            self.stop_request.request(f"its launcher (pid {ended[0]}) ended", 1)
+        if self.stop_request.overdue():  # published, so that other nodes' ranks, maybe waiting on this one, end too
+            first = self._publish(self._report(self.table.rank, f"stopped by {self.stop_request.reason}, but no step "
+                                  f"ended within --stop-grace-s {self.stop_request.grace_s:g}: exits without a new "
+                                  "checkpoint"))
+            self._end(first, speak=first.by == self.table.rank, code=self.stop_request.code)
         gone = self._gone_peers()
         if gone:
             self._report_gone(gone)
         if not self.leader or self._store_lost_at is not None:
+            self._read_rank0s_report()
             self._after_store_lost()
             return
         try:
@@ -276,8 +262,8 @@ class JobWatch:
         if t.rank != min(r for r in t.local() if r not in gone):
             return
         known = self._known_report()
-        if known is not None or self._store_lost_at is not None:  # a cause reported already (maybe the peer's own),
-            self._end(known, speak=False)  # or node 0 ended (the store's host), its cause printed there
+        if known is not None or (self._store_lost_at is not None and 0 not in gone):  # reported (maybe by the peer),
+            self._end(known, speak=False)  # or node 0 ended, printed there; rank 0 gone here is this rank's to name
         r = gone[0]
         also = f" (and {', '.join(f'rank {g}' for g in gone[1:])})" if len(gone) > 1 else ""
         first = self._publish(self._report(
@@ -353,23 +339,26 @@ class JobWatch:
 
     # -- ending ------------------------------------------------------------------------------------------------
 
-    def _on_sigterm(self) -> None:
-        """The launcher or scheduler is ending this rank: say why where this rank is the one that can (a sibling died
-        without a report; on a job of several nodes, the signal itself), then exit. Runs on the main thread or the
-        watcher, whichever gets there first."""
+    def _on_signal(self, signum: int, watcher: bool) -> None:
+        """A SIGTERM or SIGINT: where a sibling died or a failure is reported, say why where this rank is the one that
+        can, then exit; otherwise a stop asked of the run, for the loop's next step boundary (stop.py). The watcher
+        handles each signal (its wake-up byte); the main thread's handler acts only where no watcher runs."""
         if _ending.locked():
             if _ending_own_failure:
-                os._exit(128 + signal.SIGTERM)  # the rank's own report is under way: as SIGTERM's default
+                os._exit(128 + signum)  # the rank's own report is under way: as the signal's default
             return  # another thread is ending the process with its report
+        if not watcher and self._thread is not None and self._thread.is_alive():
+            return
         gone = self._gone_peers()
         if gone:
             self._report_gone(gone)  # returns where another rank of this node reports it
-        elif self.table.num_nodes > 1 and self._store_lost_at is None and self._known_report() is None:
-            first = self._publish(self._report(
-                self.table.rank, "stopped by SIGTERM from its launcher or the job's scheduler (Ctrl-C, scancel, a "
-                                 "time limit or a preemption)"))
-            self._end(first, speak=first.by == self.table.rank)
-        self._end(self._known_report(), speak=False, code=128 + signal.SIGTERM)
+        known = self._known_report()
+        if known is None and not self._halt.is_set():
+            # A repeat changes nothing: launchers forward the signal their group got too (torchrun, DeepSpeed's
+            # launch.py), and the grace period bounds the wait.
+            self.stop_request.request(signal_reason(signum), 128 + signum)
+            return  # the loop stops at its next step boundary, with a checkpoint
+        self._end(known, speak=False, code=128 + signum)
 
     def _end(self, report: Report | None, *, speak: bool, code: int = 1) -> None:
         """End the process for `report`: printed as this rank's last line where `speak`, recorded for the launcher's
@@ -389,12 +378,23 @@ class JobWatch:
             record_for_launcher(report.line())
         if speak and report.by == t.rank:
             self._let_other_nodes_read()
-        if report is not None and not speak:
-            time.sleep(LINGER_S)  # this node's speaker exits first, and the launcher names it
+        if report is not None and (not speak or report.rank not in (None, t.rank) and not agent_hosts_store()):
+            time.sleep(LINGER_S)  # the node's speaker, or a dead peer, is seen to end first by the launcher naming it
         os._exit(code)
 
     def _let_other_nodes_read(self) -> None:
         """Where the store lives in this process (rank 0, under launchers other than torchrun), stay until every
         node's leader has polled it once, so that the report just published outlives this rank."""
-        if self.table.rank == 0 and self.table.num_nodes > 1 and self.store is not None and not agent_hosts_store():
+        if self.table.rank == 0 and len(self.table.pids) > 1 and self.store is not None and not agent_hosts_store():
             time.sleep(2 * POLL_S)
+
+    def _read_rank0s_report(self) -> None:
+        """Rank 0's node peers read its report too where rank 0 holds the store: it tells its failure from a SIGKILL."""
+        if self.table.node != self.table.nodes[0] or agent_hosts_store() or self._store_lost_at is not None:
+            return
+        try:
+            report = self._read_report()
+        except Exception:  # noqa: BLE001 - rank 0 ended, and its store with it
+            self._store_lost_at, report = time.monotonic(), None
+        if report is not None and self._own_node_report is None:
+            self._own_node_report = (report, time.monotonic())

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from . import job_watch
 from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_kind, reference_path
 from .preflight import preflight
 from .resume import change_lines, record_resume
+from .run_lock import hold_run_folder
+from .stop import Stopped, StopRequest
 from .same_flags import check_same_flags
 from .schedule import Schedule
 
@@ -74,10 +77,14 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # Every rank's checks agreed (one failed on one node's disk fails every rank, naming it), then the watch that
     # ends every node's ranks when one fails, for as long as the run lasts. init_distributed bound this rank's GPU,
     # on which NCCL runs the agreement's object collective.
-    watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s)
+    watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s, stop_grace_s=cfg.stop_grace_s)
     try:
         # On --resume, the saved run's settings where not named; the flags as given are compared across ranks.
-        records = _train(checked.cfg, checked, on_step, given=cfg)
+        with ExitStack() as held:  # the run folder's lock, from before any work to the end (run_lock.py)
+            records = _train(checked.cfg, checked, on_step, given=cfg, held=held, stop=watch.stop_request)
+    except Stopped:
+        watch.stop(clean=True)  # every rank stopped at the same step: none is a peer gone without a report
+        raise
     except BaseException:
         watch.stop(clean=False)
         raise
@@ -85,7 +92,7 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]:
+def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitStack, stop: StopRequest) -> list[dict]:
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
@@ -105,6 +112,7 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
     if cfg.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
         check_output_dir(cfg, sp_size, world, out)
     run_files = folder_owner(out, layout)
+    held.enter_context(hold_run_folder(out, run_files.writes, layout))  # a second job on this folder stops here
     cache_files = folder_owner(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), layout)
     if rank0:
         logger.info("%s %s%s", "resuming" if cfg.resume else "writing to", out,
@@ -258,7 +266,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
                     f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
                     f"{cfg.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
                     "--lr <lower> (a new --lr applies on resume).")
-            if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+            stopping = stop.agreed(layout, device)  # a SIGTERM, SIGINT or launcher's end on any rank (stop.py)
+            if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
                 if not finite_state(engine):
                     raise NonFiniteError(
                         f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
@@ -269,6 +278,9 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig) -> list[dict]
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if on_step is not None:
                 on_step(done, record)
+            if stopping and done < cfg.steps:
+                raise Stopped(f"stopped at step {done} of {cfg.steps} by {stopping}; checkpoint "
+                              f"{latest_checkpoint(out)} written: --resume --output-dir {out} continues", stop.code)
 
     if cfg.export:
         export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=cfg.export_merged)

@@ -52,9 +52,10 @@ APPLIED = {
     "cache_dir": "the token cache folder (the tokens are the same)",
     "tensorboard": "TensorBoard logging from here", "wandb_project": "W&B reporting from here",
     "export": "the export at the end", "export_merged": "the export at the end",
-    "node_timeout_s": "the failure watch",
+    "node_timeout_s": "the failure watch", "stop_grace_s": "how long a stop may take",
     "kernel": "the same attention by another kernel", "attention_head_groups": "the same attention, grouped otherwise",
-    "keep_on_gpu": "the memory plan", "recompute_layers": "the memory plan", "cache_attention_layers": "the memory plan",
+    "keep_on_gpu": "the memory plan", "recompute_layers": "the memory plan",
+    "cache_attention_layers": "the memory plan",
 }
 # Applied too; the resume line says what was resharded or changed (run_state.resume_line).
 LAYOUT = ("sp_size", "sp_placement", "global_batch")

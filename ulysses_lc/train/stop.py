@@ -1,0 +1,133 @@
+"""A stop asked of the run (SIGTERM, SIGINT, or its launcher's death) ends it at a step boundary, with a checkpoint.
+
+A scheduler preempts or times out a job by SIGTERM (SLURM's `--signal=TERM@<s>` sends it ahead of the time limit);
+Ctrl-C sends SIGINT to every process of the terminal's group; a launcher that is itself signalled forwards SIGTERM to
+its ranks (torchrun all at once; DeepSpeed's launch.py one rank at a time) and SIGKILLs them 30 s later. Any one rank
+asked is enough: the loop agrees at each step boundary (`StopRequest.agreed`, one all-reduce of one number), every
+rank saves the step's checkpoint and train() raises `Stopped`, which the command line turns into one line and an
+exit code of 128 + the signal. A launcher that ended without a signal to the ranks (SIGKILL, or DeepSpeed's runner,
+which forwards nothing on one node) is seen by the failure watch within a second (`launcher_pids`) and asks the same.
+
+The request is only remembered where it arrives (a signal handler, the watcher thread); the watcher ends the process
+when no boundary and save came within the grace period (--stop-grace-s), so a rank never outlives its launcher by
+more than that.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LAUNCHERS = ("torch.distributed.run", "torchrun", "deepspeed", "accelerate", "mpirun")
+
+
+class Stopped(Exception):
+    """The run stopped at a step boundary as asked, its checkpoint written; `code` is the process's exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class StopRequest:
+    """What this process was asked: why, when, and the exit code that says it."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.reason: str | None = None
+        self.code = 1
+        self.at: float | None = None
+
+    def request(self, reason: str, code: int) -> bool:
+        """Remember a stop; False where one was asked already (a second signal: the caller ends the process)."""
+        if self.reason is not None:
+            return False
+        self.reason, self.code, self.at = reason, code, time.monotonic()
+        return True
+
+    def overdue(self) -> bool:
+        return self.at is not None and time.monotonic() - self.at > self.grace_s
+
+    def agreed(self, layout, device) -> str | None:
+        """Collective at a step boundary: this rank's reason, or another rank's stop, or None to go on."""
+        flag = torch.tensor([0 if self.reason is None else self.code], device=device)
+        if layout.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.world_group)
+        code = int(flag.item())
+        if not code:
+            return None
+        every = [self.reason]  # once, at the stop: what each rank was asked, so every rank says the first one
+        if layout.world_size > 1:
+            every = [None] * layout.world_size
+            dist.all_gather_object(every, self.reason, group=layout.world_group)
+        first = next(r for r, reason in enumerate(every) if reason is not None)
+        self.reason, self.code = every[first] + (f" (rank {first})" if layout.world_size > 1 else ""), code
+        return self.reason
+
+
+def signal_reason(signum: int) -> str:
+    name = signal.Signals(signum).name
+    return f"{name} (from the scheduler, the launcher or Ctrl-C: a preemption, a time limit, scancel)"
+
+
+def launcher_pids() -> list[int]:
+    """The launcher processes above this rank, nearest first (torchrun's agent; DeepSpeed's launch.py and its runner):
+    the ranks stop when one of them ends. None where the rank was started by hand or by a test harness."""
+    import psutil
+
+    chain = []
+    try:
+        parent = psutil.Process().parent()
+        while parent is not None and len(chain) < 3 and any(k in " ".join(parent.cmdline()) for k in LAUNCHERS):
+            chain.append(parent.pid)
+            parent = parent.parent()
+    except psutil.Error:
+        pass
+    return chain
+
+
+class SignalHook:
+    """SIGTERM and SIGINT to a Python handler (on the main thread, when it runs Python) and a wake-up byte for a
+    watcher thread (at once, even while the main thread waits in a collective). Only the main thread may arm it."""
+
+    def __init__(self):
+        self._wake = None  # (read fd, write fd) of the wake-up pipe
+        self._previous = None  # (SIGTERM handler, SIGINT handler, wake-up fd) before arming
+
+    def arm(self, handler) -> None:
+        """handler(signum) on the main thread; elsewhere nothing is armed (wait() then only waits)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._wake = os.pipe()
+        for fd in self._wake:
+            os.set_blocking(fd, False)
+        handlers = [signal.signal(s, lambda signum, frame: handler(signum)) for s in SIGNALS]
+        self._previous = (*handlers, signal.set_wakeup_fd(self._wake[1], warn_on_full_buffer=False))
+
+    def disarm(self) -> None:
+        if self._previous is None or threading.current_thread() is not threading.main_thread():
+            return
+        *handlers, wakeup_fd = self._previous
+        for s, handler in zip(SIGNALS, handlers):
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        signal.set_wakeup_fd(wakeup_fd)
+        for fd in self._wake:
+            os.close(fd)
+        self._previous = self._wake = None
+
+    def wait(self, timeout: float, halt: threading.Event) -> int | None:
+        """Wait `timeout`, or less where a signal arrives first: the SIGTERM or SIGINT that came, else None."""
+        try:
+            ready, _, _ = select.select([self._wake[0]], [], [], timeout)
+            got = os.read(self._wake[0], 512) if ready else b""
+            return next((s for s in SIGNALS if s in got), None)
+        except (OSError, ValueError, TypeError):  # no pipe (not armed on the main thread), or closed by disarm()
+            halt.wait(timeout)
+            return None
