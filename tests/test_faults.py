@@ -1,4 +1,4 @@
-"""Faults that lose nothing and say what happened (issue 23). Each test fails when its item is undone.
+"""Faults that lose nothing and say what happened (issues 23 and 30). Each test fails when its item is undone.
 
 Launches are few and short (the tiny model, 2 ranks, seq-len 256): a two-core CI machine pays ~10 s per launch
 for imports alone, so one in-process run covers the cases that need no launcher, and each launcher run shows

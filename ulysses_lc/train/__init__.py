@@ -6,6 +6,8 @@
   check_output_dir, ...      output-dir policy, RNG, save and resume              (run_state.py)
   resolve, record_resume     --resume and the flags: taken, applied or refused     (resume.py)
   verify, finite_state       checkpoint manifests (size, CRC-32), finite state    (checkpoint_files.py)
+  hold_run_folder            one job per run folder: a lock for the run's life    (run_lock.py)
+  StopRequest, Stopped       SIGTERM/SIGINT/launcher's end: stop at a step, saved (stop.py)
   export_hf_model            consolidated Hugging Face model at the end           (export.py)
   preflight                  every cheap check, before any collective            (preflight.py)
   estimate_memory            predicted GPU and host bytes per rank               (estimate.py)
