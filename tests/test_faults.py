@@ -215,7 +215,6 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_resumes(tmp_path)
 
 def _disk_full_worker(rank, world_size, tmp, out, inject):
     import errno
-    from dataclasses import replace
 
     import torch
 
@@ -248,7 +247,7 @@ def test_a_full_disk_names_the_folder_and_the_bytes_and_the_run_resumes(tmp_path
     import subprocess
 
     from tests._dist import run_shared
-    from tests.test_training import losses_of, train_worker
+    from tests.test_training import losses_of
     from ulysses_lc.train import TrainConfig
 
     small = tmp_path / "small"
@@ -387,7 +386,6 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
     (--save-every 0: no other checkpoint), and exits; the resume continues the uninterrupted run."""
     import signal
     import subprocess
-    import sys
 
     import psutil
 
@@ -431,7 +429,6 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
 def test_rank_0_killed_is_named_in_the_last_lines_on_every_launcher(tmp_path, launcher):
     """SIGKILL of rank 0 (under DeepSpeed's launcher and by hand its process holds the job's store): the last lines
     name it, by global rank, and the other rank exits within the hang guard (a collective's timeout otherwise)."""
-    import signal
     import subprocess
     import sys
 

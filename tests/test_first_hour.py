@@ -1,7 +1,6 @@
 """The first hour, again (issue 31): defaults that follow the machine, offline noticed at once, a laptop sizing a GPU
 node, one plan for the dry run and the run, no silent override across nodes. Each test fails when its fix is undone."""
 
-import os
 import time
 
 import pytest

@@ -37,7 +37,6 @@ The watcher, one daemon thread per rank waking once a second (POLL_S), off the s
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
