@@ -87,5 +87,6 @@ def test_no_kernel_errors_are_told_apart():
         assert fallbacks.is_no_kernel_error(RuntimeError(message)), message
     assert fallbacks.is_no_kernel_error(NotImplementedError("Could not run 'aten::_flash' with arguments from 'CPU'"))
     for error in (RuntimeError("shape '[1, 4, 16, 8]' is invalid for input of size 100"), ValueError("not supported"),
-                  RuntimeError("CUDA error: an illegal memory access was encountered")):
+                  RuntimeError("CUDA error: an illegal memory access was encountered"),
+                  torch.OutOfMemoryError("CUDA out of memory; expandable segments not supported on this device")):
         assert not fallbacks.is_no_kernel_error(error), error

@@ -232,8 +232,8 @@ def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int
         got = []
         try:
             out = ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scaling, backend, groups, None, got)
-        except RuntimeError as e:  # OutOfMemoryError and every error that is not a refusal propagate
-            if isinstance(e, torch.OutOfMemoryError) or not fallbacks.is_no_kernel_error(e):
+        except RuntimeError as e:  # every error that is not a refusal (out of memory too) propagates
+            if not fallbacks.is_no_kernel_error(e):
                 raise
             fallbacks.record(key, e)
             continue

@@ -35,7 +35,10 @@ NO_KERNEL_MESSAGES = (
 
 
 def is_no_kernel_error(error: BaseException) -> bool:
-    """Whether `error` says the kernel has no implementation for these inputs (then the next kernel is tried)."""
+    """Whether `error` says the kernel has no implementation for these inputs (then the next kernel is tried); never
+    for running out of memory (torch.OutOfMemoryError, a RuntimeError), which is no refusal of the inputs."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return False
     if isinstance(error, NotImplementedError):  # aten: no kernel of this op for the dtype or device
         return True
     message = str(error).lower()
@@ -60,7 +63,7 @@ class Fallback:
                 f"({self.reason}); the next kernel ran")
 
 
-_REFUSED: dict[tuple, Fallback] = {}
+_REFUSED: set[tuple] = set()
 _TAKEN: list[Fallback] = []
 _REPORTED = [0]
 
@@ -78,9 +81,10 @@ def refused(key: tuple) -> bool:
 def record(key: tuple, error: BaseException) -> Fallback:
     """Remember that the kernel of `key` refused (`error` passed `is_no_kernel_error`), log it once, return it."""
     path, kernel, dtype, q_shape, k_shape, window = key
+    message = str(error).strip()
     fallback = Fallback(path, kernel, q_shape, k_shape, str(dtype).removeprefix("torch."), window,
-                        str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
-    _REFUSED[key] = fallback
+                        message.splitlines()[0][:200] if message else type(error).__name__)
+    _REFUSED.add(key)
     _TAKEN.append(fallback)
     logger.warning("kernel fallback: %s", fallback.line())
     return fallback

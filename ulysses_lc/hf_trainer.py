@@ -210,6 +210,7 @@ class UlyssesTrainerMixin:
         # Our loss is already each sequence's mean: the Trainer must not count or rescale tokens (module docstring).
         self.model_accepts_loss_kwargs = False
         self._planned = False
+        self._micro_steps = 0  # training_step calls, for the per-rank seed (distributed.seed_step)
         self._after_parent_init()
 
     # -- what a trainer kind changes (hf_dpo.UlyssesDPOMixin): checks, the parent's arguments, the collate function --
@@ -294,7 +295,7 @@ class UlyssesTrainerMixin:
             check_engine_mpu(self.model_wrapped, self.layout)
             self._plan_memory(inputs["input_ids"].shape[1] * self.layout.sp_size, packed="cu_seqlens" in inputs)
         # Per rank and micro step (the Trainer seeds every rank alike): dropout masks differ between the SP slices.
-        self._micro_steps = getattr(self, "_micro_steps", 0) + 1
+        self._micro_steps += 1
         seed_step(self.args.seed, self.layout.rank, self.state.global_step, self._micro_steps)
         return super().training_step(model, inputs, *args, **kwargs)
 

@@ -133,7 +133,7 @@ class SequenceParallelCausalLM(nn.Module):
         from .window_attention import window_attention
 
         shape, sp = self.shape, self.layout.sp_size
-        heads, kv_heads = shape.heads // sp, max(1, shape.kv_heads // sp)
+        heads, kv_heads = shape.local_heads(sp), shape.local_kv_heads(sp)
         make = functools.partial(torch.randn, device=device, dtype=dtype, requires_grad=True)
         q, k, v = make(1, heads, tokens, shape.head_dim), make(1, kv_heads, tokens, shape.head_dim), \
             make(1, kv_heads, tokens, shape.head_dim)

@@ -311,8 +311,8 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
         try:
             out = WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, impl, backend, bounds, None,
                                         got)
-        except RuntimeError as e:  # OutOfMemoryError and every error that is not a refusal propagate
-            if isinstance(e, torch.OutOfMemoryError) or not fallbacks.is_no_kernel_error(e):
+        except RuntimeError as e:  # every error that is not a refusal (out of memory too) propagates
+            if not fallbacks.is_no_kernel_error(e):
                 raise
             fallbacks.record(key, e)
             continue
