@@ -1,6 +1,6 @@
 """One DPO step beside two SFT steps of the same tokens, on one GPU, with the dry run's predicted peaks (issue 29).
 
-    python3 benchmarks/bench_dpo.py --layers 12 --prompt 98304 --completion 32768 --out $OUT
+    python3 benchmarks/bench_dpo.py --prompt 98304 --completion 32768 --budget-s 555 --out $OUT   # 36 layers, ~330 s
 
 The Qwen3-8B shape (--layers of its 36; random bf16 weights from one seed), LoRA r 16 on every projection, the main
 job's way: a ZeRO-3 engine, torch AdamW over the adapters, the plan `plan_step` makes for this GPU. The pair is one
