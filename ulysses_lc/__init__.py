@@ -18,7 +18,7 @@ The package is laid out by what each part is, lowest floor first; a floor import
   train/         the main job: flags resolved into each part's settings, checks, loop, checkpoints, export
 
 Every install_* returns a Handle whose undo() gives the model back as it was. The names below are the public
-face; the flat paths of before (ulysses_lc.parallel.exchange, ...) still import, as aliases (ulysses_lc/moved.py).
+face; the flat paths of before (ulysses_lc.exchange, ...) still import, as aliases (ulysses_lc/moved.py).
 """
 
 from . import moved
