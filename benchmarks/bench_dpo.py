@@ -54,14 +54,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from ulysses_lc import IGNORE_INDEX, MemoryPlan, ModelShape, ParallelLayout, SequenceParallelCausalLM, shard_batch
-    from ulysses_lc.distributed import init_distributed
-    from ulysses_lc.host_pool import HostPool
-    from ulysses_lc.ds_config import check_deepspeed_config, load_deepspeed_config
+    from ulysses_lc.parallel.distributed import init_distributed
+    from ulysses_lc.levers.host_pool import HostPool
+    from ulysses_lc.parallel.ds_config import check_deepspeed_config, load_deepspeed_config
     from ulysses_lc.peft_support import apply_peft, count_trainable_parameters, lora_config
-    from ulysses_lc.preference import PreferenceLoss, reference_log_probs, shard_pairs
-    from ulysses_lc.sizing import Job, Limits
+    from ulysses_lc.objectives.preference import PreferenceLoss, reference_log_probs, shard_pairs
+    from ulysses_lc.plan.sizing import Job, Limits
     from ulysses_lc.train.estimate import plan_reservations
-    from ulysses_lc.yarn import apply_yarn
+    from ulysses_lc.levers.yarn import apply_yarn
 
     from common import SHAPES
     from transformers import Qwen3Config

@@ -176,9 +176,9 @@ def test_dry_run_prices_the_dpo_step_measured_on_an_h200(layers, dpo, tokens, pl
     from transformers import Qwen3Config
 
     from ulysses_lc import MemoryPlan, ModelShape
-    from ulysses_lc.ds_config import load_deepspeed_config
+    from ulysses_lc.parallel.ds_config import load_deepspeed_config
     from ulysses_lc.peft_support import count_trainable_parameters, lora_config
-    from ulysses_lc.sizing import GB, Job
+    from ulysses_lc.plan.sizing import GB, Job
 
     config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
