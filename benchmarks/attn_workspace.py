@@ -47,7 +47,7 @@ def one(backend, s, heads, kv_heads, d, gqa, groups=None):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                      enable_gqa=gqa and kvh != heads)
             else:
-                from ulysses_lc.explicit_attention import explicit_attention
+                from ulysses_lc.mixers.explicit_attention import explicit_attention
 
                 out = explicit_attention(q, k, v, scale, "cudnn", groups)
             out.backward(dout)

@@ -113,7 +113,7 @@ def main():
     import torch.distributed as dist
 
     from ulysses_lc import ParallelLayout
-    from ulysses_lc.linear_attention import GatedDeltaNetMixer, _fla_ops, resolve_deltanet_kernel
+    from ulysses_lc.mixers.linear_attention import GatedDeltaNetMixer, _fla_ops, resolve_deltanet_kernel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")

@@ -12,7 +12,7 @@ Variants, each forward + backward of the summed cross-entropy of hidden [t, h] (
                 logits recomputed in backward (torch.utils.checkpoint per chunk: 4 matmuls, fp32)
   full          bf16 logits [t, vocab] at once, fp32 cross-entropy (what fits only at short length)
   ours-<rows>   with --rows: ours with that many rows per chunk (the automatic size is
-                ulysses_lc.chunked_loss.auto_chunk_rows(vocab), printed first)
+                ulysses_lc.levers.chunked_loss.auto_chunk_rows(vocab), printed first)
 Timed: median of 3 after one warm-up; peak = max_memory_allocated above what the inputs hold.
 The same numbers are printed as a table and written to <out>/loss_results.json. Loss values of all
 variants are printed next to each other (they must agree to ~1e-3 relative in bf16).
@@ -107,7 +107,7 @@ def main():
         args.tokens, args.hidden, args.vocab = [512], 32, 1000
     variants = {"ours": ours(), "ours-256": ours(256), "trl-style": trl_style, "full": full}
     variants.update({f"ours-{r}": ours(r) for r in args.rows})
-    from ulysses_lc.chunked_loss import auto_chunk_rows
+    from ulysses_lc.levers.chunked_loss import auto_chunk_rows
 
     print(f"automatic chunk: {auto_chunk_rows(args.vocab)} rows at vocab {args.vocab}", flush=True)
     rows = []

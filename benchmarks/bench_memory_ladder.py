@@ -65,7 +65,7 @@ WARMUP_TOKENS = 8 * K
 def _config(shape: str, seq: int, layers: int | None = None):
     from tests.test_memory_prediction import qwen3_config
     from ulysses_lc.tiny import tiny_model_config
-    from ulysses_lc.yarn import apply_yarn
+    from ulysses_lc.levers.yarn import apply_yarn
 
     config = tiny_model_config() if shape == "tiny" else qwen3_config(shape, layers)
     config.use_cache = False
@@ -76,10 +76,10 @@ def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | 
     import psutil
 
     from ulysses_lc import ModelShape
-    from ulysses_lc.ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config
-    from ulysses_lc.ds_config import resolve_precision
-    from ulysses_lc.layout import ParallelLayout
-    from ulysses_lc.sizing import Job, Limits
+    from ulysses_lc.parallel.ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config
+    from ulysses_lc.parallel.ds_config import resolve_precision
+    from ulysses_lc.parallel.layout import ParallelLayout
+    from ulysses_lc.plan.sizing import Job, Limits
     from ulysses_lc.train.estimate import count_params
 
     cuda = torch.cuda.is_available()
@@ -102,7 +102,7 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
     from transformers import AutoModelForCausalLM
 
     from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
-    from ulysses_lc.distributed import init_distributed
+    from ulysses_lc.parallel.distributed import init_distributed
     from ulysses_lc.train.estimate import plan_reservations
 
     shape, seq, ds_name, _, *layers = rung

@@ -31,7 +31,7 @@ K = 1024
 def time_documents(seq: int, doc: int, how: str = "loop", mixed: bool = False, iters: int = 3, heads=16, kv_heads=8,
                    head_dim=128) -> dict:
     """mixed: document lengths drawn from [doc/2, 3 doc/2) (seeded), as packing real samples gives; else all doc."""
-    from ulysses_lc.kernels import document_attention, resolve_kernel
+    from ulysses_lc.mixers.kernels import document_attention, resolve_kernel
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -86,7 +86,7 @@ LR = 1e-5
 
 
 def _ds_config(dev, extra=None) -> dict:
-    from ulysses_lc.ds_config import load_deepspeed_config
+    from ulysses_lc.parallel.ds_config import load_deepspeed_config
 
     config = load_deepspeed_config("zero3")
     config["bf16"] = {"enabled": dev.type == "cuda"}
@@ -99,7 +99,7 @@ def _ds_config(dev, extra=None) -> dict:
 class ExchangeProfile:
     """Timers around each Ulysses exchange and each attention kernel call of a step, by phase.
 
-    Installed on ulysses_lc.exchange's autograd Functions and ulysses_lc.kernels' table for the profiled step
+    Installed on ulysses_lc.parallel.exchange's autograd Functions and ulysses_lc.mixers.kernels' table for the profiled step
     only (the library is not edited): the q/k/v exchange (_QKVSeqToHeads: one all-to-all for the three, and
     one back in backward), the output exchange (_SeqAllToAll) and the explicit attention kernel's forward and
     backward (kernels._EXPLICIT, what the kept-output and head-group paths call). A forward-direction call made while
@@ -447,7 +447,7 @@ def merge_ranks(spec, ranks, outcome, returncode, output, wall) -> dict:
         rec["returncode"] = returncode
         rec["output_tail"] = (output or "")[-1500:]
     if rec["status"] == "ok":
-        from ulysses_lc.metrics import model_flops_per_step
+        from ulysses_lc.plan.metrics import model_flops_per_step
 
         flops = model_flops_per_step(_config(spec), spec["seq"])
         rec["tflops_model_per_gpu"] = flops.model / rec["step_s"] / spec["ranks"] / 1e12

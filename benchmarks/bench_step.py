@@ -240,7 +240,7 @@ def run_variant(spec: dict) -> dict:
             rec["status"] = "ok"
             return rec
         from ulysses_lc import ParallelLayout
-        from ulysses_lc.metrics import model_flops_per_step
+        from ulysses_lc.plan.metrics import model_flops_per_step
 
         layout = ParallelLayout.build(1)
         model = build_model(spec["shape"], spec.get("layers"))

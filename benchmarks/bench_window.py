@@ -10,7 +10,7 @@ FLOPs (FlashAttention's benchmark convention, github.com/Dao-AILab/flash-attenti
 benchmark_flash_attention.py: 4 T^2 h d halved for causal, backward 2.5x the forward): a causal forward is 2 T^2 h d, a windowed one 4 h d (T w - w^2 / 2)
 (ModelShape.attention_pairs: the pairs the window needs, not what a kernel computes); fwd+bwd is 3.5x the forward.
 rate_vs_causal = the candidate's TF/s on its own FLOPs / the full causal cuDNN kernel's TF/s (target >= 0.7).
-Candidates (ulysses_lc.window_attention unless said): band_cudnn (two batched cuDNN causal calls over the band),
+Candidates (ulysses_lc.mixers.window_attention unless said): band_cudnn (two batched cuDNN causal calls over the band),
 band_flash (the same through SDPA's FLASH ops), flash_window (one call of torch's FLASH kernel with its window),
 band_cudnn_sinks (the default with gpt-oss sinks), flex (torch.nn.attention.flex_attention, compiled, sliding-window
 block mask; not in the library: on 2026-12-01 its run built the mask uncompiled, which asked for 64 GiB at 256k, so
@@ -76,7 +76,7 @@ BACKENDS_SEEN: set = set()  # (candidate, the explicit backend window_attention 
 
 def _attend(name, window, sinks=None):
     """fn(q, k, v) -> out [b, h, s, d] for a candidate."""
-    from ulysses_lc.window_attention import window_attention
+    from ulysses_lc.mixers.window_attention import window_attention
 
     settings = {"band_cudnn": ("cudnn", "band"), "band_cudnn_sinks": ("cudnn", "band"), "band_flash": ("sdpa", "band"),
                 "flash_window": ("auto", "flash_window")}
@@ -90,7 +90,7 @@ def _attend(name, window, sinks=None):
             return out
         return fn
     if name == "causal_cudnn":
-        from ulysses_lc.kernels import causal_attention
+        from ulysses_lc.mixers.kernels import causal_attention
 
         return lambda q, k, v: causal_attention(q, k, v, None, "cudnn")
     if name == "flex":
@@ -201,7 +201,7 @@ def run_step(spec):
     from bench_step import _init_dist, random_tokens, setup_ours, setup_stock
 
     from ulysses_lc import ParallelLayout
-    from ulysses_lc.metrics import model_flops_per_step
+    from ulysses_lc.plan.metrics import model_flops_per_step
 
     rec = dict(spec, status="error")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""The memory model (ulysses_lc/memory_model.py) against the measured peaks it is fitted to (tests/data/h200_peaks.json).
+"""The memory model (ulysses_lc/plan/memory_model.py) against the measured peaks it is fitted to (tests/data/h200_peaks.json).
 
     python benchmarks/fit_memory_model.py            # each point: predicted / measured, GPU and host
     python benchmarks/fit_memory_model.py --fit      # also the device coefficients' fit, and the table with them

@@ -15,8 +15,15 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM
 
-from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, apply_yarn, check_deepspeed_config, shard_batch
-from ulysses_lc.distributed import destroy_distributed, init_distributed
+from ulysses_lc import (
+    ParallelLayout,
+    SequenceParallelCausalLM,
+    apply_yarn,
+    check_deepspeed_config,
+    destroy_distributed,
+    init_distributed,
+    shard_batch,
+)
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 from ulysses_lc.train.console import quiet_warnings
 

@@ -19,9 +19,15 @@ import datasets
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
-from ulysses_lc import apply_yarn, build_token_stream, load_deepspeed_config, load_model_for_length
-from ulysses_lc.hf_trainer import UlyssesTrainer
-from ulysses_lc.distributed import destroy_distributed, init_distributed
+from ulysses_lc import (
+    UlyssesTrainer,
+    apply_yarn,
+    build_token_stream,
+    destroy_distributed,
+    init_distributed,
+    load_deepspeed_config,
+    load_model_for_length,
+)
 from ulysses_lc.tiny import tiny_model_config, tiny_tokenizer
 from ulysses_lc.train.console import quiet_warnings
 

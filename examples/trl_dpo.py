@@ -21,10 +21,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
-from ulysses_lc import apply_yarn, load_deepspeed_config, load_model_for_length
-from ulysses_lc.distributed import destroy_distributed, init_distributed
-from ulysses_lc.hf_trainer import ulysses_trainer
-from ulysses_lc.peft_support import lora_config
+from ulysses_lc import (
+    apply_yarn,
+    destroy_distributed,
+    init_distributed,
+    load_deepspeed_config,
+    load_model_for_length,
+    lora_config,
+    ulysses_trainer,
+)
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 from ulysses_lc.train.console import quiet_warnings
 

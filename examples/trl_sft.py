@@ -21,9 +21,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig
 
-from ulysses_lc import apply_yarn, load_deepspeed_config, load_model_for_length
-from ulysses_lc.hf_trainer import UlyssesSFTTrainer
-from ulysses_lc.distributed import destroy_distributed, init_distributed
+from ulysses_lc import (
+    UlyssesSFTTrainer,
+    apply_yarn,
+    destroy_distributed,
+    init_distributed,
+    load_deepspeed_config,
+    load_model_for_length,
+)
 from ulysses_lc.tiny import tiny_model_config, tiny_text, tiny_tokenizer
 from ulysses_lc.train.console import quiet_warnings
 

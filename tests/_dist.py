@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ulysses_lc.distributed import destroy_distributed
+from ulysses_lc.parallel.distributed import destroy_distributed
 
 
 def _free_port() -> int:
@@ -66,11 +66,11 @@ def _worker(rank, world_size, port, fn, args, queue, backend):
 
 def _check_no_shm_comm_op():
     """No test reaches DeepSpeed's CPU shm all-reduce op: building it takes a lock that a killed build leaves behind
-    (every later run then hangs), and it maps /dev/shm buffers nothing unlinks (ulysses_lc/distributed.py)."""
+    (every later run then hangs), and it maps /dev/shm buffers nothing unlinks (ulysses_lc/parallel/distributed.py)."""
     ds_comm = sys.modules.get("deepspeed.comm.comm")
     if ds_comm is not None and getattr(ds_comm.cdb, "shm_comm_op", None) is not None:
         raise AssertionError("DeepSpeed built its CPU shm op: start the process group with "
-                             "ulysses_lc.distributed.init_distributed, not deepspeed.init_distributed")
+                             "ulysses_lc.parallel.distributed.init_distributed, not deepspeed.init_distributed")
 
 
 def run_distributed(fn, world_size, *args, timeout=600, backend="gloo"):
@@ -224,7 +224,7 @@ def _run_once(fn, world_size, args, timeout, backend):
                 p.join()
     if not errors:
         errors = [f"rank {r} exited with code {p.exitcode} after its result: an unclean end of the process group "
-                  "(ulysses_lc.distributed.destroy_distributed says why it aborts)"
+                  "(ulysses_lc.parallel.distributed.destroy_distributed says why it aborts)"
                   for r, p in enumerate(procs) if p.exitcode != 0]
     if errors:
         raise AssertionError("\n".join(errors))

@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ulysses_lc.chunked_loss as chunked_loss_module
+import ulysses_lc.levers.chunked_loss as chunked_loss_module
 from ulysses_lc import ParallelLayout, shard_batch
-from ulysses_lc.chunked_loss import (
+from ulysses_lc.levers.chunked_loss import (
     ChunkedLossHead,
     auto_chunk_rows,
     chunked_cross_entropy,

@@ -11,8 +11,8 @@ import torch
 from tests._dist import run_shared
 from tests.models import VOCAB, build
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
-from ulysses_lc.ds_config import check_deepspeed_config
-from ulysses_lc.tiled_mlp import plain_parameter_name
+from ulysses_lc.parallel.ds_config import check_deepspeed_config
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 STEPS = 3
 CONFIG = {
@@ -31,7 +31,7 @@ ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True
 def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family="qwen3"):
     import deepspeed
 
-    from ulysses_lc.distributed import init_distributed
+    from ulysses_lc.parallel.distributed import init_distributed
 
     init_distributed("gloo")  # not deepspeed.init_distributed: it would build DeepSpeed's CPU shm op (distributed.py)
     layout = ParallelLayout.build(sp_size)

@@ -1,4 +1,4 @@
-"""What ulysses_lc.distributed keeps off the machine: DeepSpeed's CPU shm op, and silent waits on a stale build lock.
+"""What ulysses_lc.parallel.distributed keeps off the machine: DeepSpeed's CPU shm op, and silent waits on a stale build lock.
 
 The end of a run (no shared memory, port or process left; no abort at exit) is checked where runs end: every
 run_distributed/run_shared rank, and README's commands in test_run.py.
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ulysses_lc.distributed import SHM_COMM_BUILDER, _without_shm_comm_op, stale_build_locks
+from ulysses_lc.parallel.distributed import SHM_COMM_BUILDER, _without_shm_comm_op, stale_build_locks
 
 
 def test_shm_comm_op_is_kept_out_and_the_accelerator_given_back():
@@ -51,7 +51,7 @@ def test_ranks_draw_different_dropout_masks_and_a_step_draws_the_same_on_resume(
     each rank with distributed.seed_step."""
     import torch
 
-    from ulysses_lc.distributed import seed_step
+    from ulysses_lc.parallel.distributed import seed_step
 
     def mask(rank, step, micro=0):
         seed_step(0, rank, step, micro)

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, KimiLinearConfig, Llama4TextConfi
 
 from tests.models import VOCAB, build, tiny_config
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, check_model_for_ulysses, shard_batch
-from ulysses_lc.layout import check_heads, valid_sp_sizes
+from ulysses_lc.parallel.layout import check_heads, valid_sp_sizes
 
 
 def layout(world, sp):

@@ -8,9 +8,9 @@ import torch
 from tests.models import build
 from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, fallbacks
 from ulysses_lc import explicit_attention as explicit_mod
-from ulysses_lc.explicit_attention import explicit_attention
-from ulysses_lc.metrics import StepLogger
-from ulysses_lc.window_attention import window_attention
+from ulysses_lc.mixers.explicit_attention import explicit_attention
+from ulysses_lc.plan.metrics import StepLogger
+from ulysses_lc.mixers.window_attention import window_attention
 
 CPU_FORWARD, CPU_BACKWARD = explicit_mod._EXPLICIT["cpu"]
 

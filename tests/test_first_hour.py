@@ -130,7 +130,7 @@ def test_the_run_plans_within_the_dry_runs_budget_less_only_foreign_device_memor
 
     from tests.models import build
     from ulysses_lc import SequenceParallelCausalLM, memory
-    from ulysses_lc.memory import plan_memory
+    from ulysses_lc.plan.memory import plan_memory
 
     model = SequenceParallelCausalLM(build("qwen3"), SimpleNamespace(sp_size=1, world_size=1, rank=0))
     seq, budget = 1 << 20, (2.0e9, 1e12)
@@ -152,7 +152,7 @@ def test_node_host_prediction_bounds_the_measured_h200_node():
 
     from ulysses_lc import MemoryPlan, ModelShape
     from ulysses_lc.peft_support import count_trainable_parameters, lora_config
-    from ulysses_lc.sizing import Job
+    from ulysses_lc.plan.sizing import Job
     from ulysses_lc.train.estimate import count_params
 
     config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

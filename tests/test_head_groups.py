@@ -21,10 +21,10 @@ from tests._dist import run_shared
 from tests.test_sp_parity import assert_close, make_sequence, reference
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
 from ulysses_lc import explicit_attention as attention_mod
-from ulysses_lc.attention import UlyssesAttention
-from ulysses_lc.explicit_attention import attention_backward_block_bytes, attention_head_groups, explicit_attention
-from ulysses_lc.kernels import causal_attention
-from ulysses_lc.tiled_mlp import plain_parameter_name
+from ulysses_lc.mixers.attention import UlyssesAttention
+from ulysses_lc.mixers.explicit_attention import attention_backward_block_bytes, attention_head_groups, explicit_attention
+from ulysses_lc.mixers.kernels import causal_attention
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 GIB = 2**30
 _SP1 = SimpleNamespace(sp_size=1)  # all UlyssesAttention reads of a layout outside a call
@@ -144,7 +144,7 @@ def _has_flash_attn():
 
 def test_the_training_plan_counts_groups_only_where_the_kernel_runs_them():
     from ulysses_lc import ModelShape
-    from ulysses_lc.memory import attention_policy
+    from ulysses_lc.plan.memory import attention_policy
     from tests.models import tiny_config
 
     shape = ModelShape.from_config(tiny_config("qwen3"))
@@ -216,7 +216,7 @@ def test_cuda_grouped_kernel_within_the_kernel_s_own_spread(seq_major, kernel):
     # the same call on the same inputs differ (measured on the H200: 2.4e-4 max abs at 64k tokens). Each
     # group count must stay within twice the spread of three runs of the one call over all heads, and be
     # bitwise equal wherever the kernel is (a spread of 0).
-    from ulysses_lc.kernels import resolve_kernel
+    from ulysses_lc.mixers.kernels import resolve_kernel
 
     kernel = resolve_kernel(kernel)
     q, k, v, dout = _inputs(16, 8, 8192, 128, torch.bfloat16, device="cuda", seq_major=seq_major)

@@ -36,7 +36,7 @@ def dpo_worker(rank, world, out, reference):
     from trl import DPOTrainer
 
     from tests.models import build
-    from ulysses_lc.hf_trainer import ulysses_trainer
+    from ulysses_lc.integrations.hf_trainer import ulysses_trainer
     from ulysses_lc.tiny import tiny_tokenizer
 
     record = {}
@@ -86,7 +86,7 @@ def test_dpo_trainer_sp2_equals_trl_on_one_process(tmp_path, reference):
 ])
 def test_dpo_settings_refused(overrides, words):
     from tests.models import build
-    from ulysses_lc.hf_dpo import check_dpo_setup
+    from ulysses_lc.integrations.hf_dpo import check_dpo_setup
 
     with tempfile.TemporaryDirectory() as out:
         args = dpo_args(out, deepspeed=None, **overrides)  # no DeepSpeed in the test process
@@ -96,7 +96,7 @@ def test_dpo_settings_refused(overrides, words):
 
 def test_dpo_without_a_reference_and_rows_that_do_not_fit_are_refused():
     from tests.models import build
-    from ulysses_lc.hf_dpo import check_dpo_setup, check_row
+    from ulysses_lc.integrations.hf_dpo import check_dpo_setup, check_row
 
     with tempfile.TemporaryDirectory() as out:
         args = dpo_args(out, deepspeed=None)

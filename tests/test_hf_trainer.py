@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer and TRL's SFTTrainer through ulysses_lc.hf_trainer, on 2 gloo ranks.
+"""The Hugging Face Trainer and TRL's SFTTrainer through ulysses_lc.integrations.hf_trainer, on 2 gloo ranks.
 
 SP=2 against SP=1 through the same Trainer (and through SFTTrainer on prompt/completion rows, with TRL's own
 tokenization and completion-only labels): the first step's loss (1e-5 relative) and every gradient as ZeRO-3
@@ -14,7 +14,7 @@ import torch
 
 from tests._dist import run_shared
 from tests.models import VOCAB, build
-from ulysses_lc.tiled_mlp import plain_parameter_name
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -62,7 +62,7 @@ def first_step_grads(record):
 def trainer_worker(rank, world, sp_size, out, steps, mode):
     import datasets
 
-    from ulysses_lc.hf_trainer import UlyssesTrainer
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
 
     ds = datasets.Dataset.from_dict({"input_ids": sequences()})
     record = {}
@@ -116,7 +116,7 @@ def planning_worker(rank, world, out, levers_list):
 
     from tests._memory import room_for_one_input
     from ulysses_lc import memory, model as model_mod
-    from ulysses_lc.hf_trainer import UlyssesTrainer
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
 
     real, measure = model_mod.plan_step_memory, memory.measure_free_memory
     model_mod.plan_step_memory = lambda shape, n, layout, device, **kw: real(shape, n, layout, torch.device("cuda"), **kw)
@@ -170,7 +170,7 @@ REFUSALS = [
 def test_trainer_settings_refused(overrides, words):
     from types import SimpleNamespace
 
-    from ulysses_lc.hf_trainer import check_trainer_setup
+    from ulysses_lc.integrations.hf_trainer import check_trainer_setup
 
     args = SimpleNamespace(**{**dict(deepspeed=DS, per_device_train_batch_size=1), **overrides})
     with pytest.raises(ValueError, match=words):
@@ -180,7 +180,7 @@ def test_trainer_settings_refused(overrides, words):
 def test_logits_losses_and_trl_settings_refused():
     from types import SimpleNamespace
 
-    from ulysses_lc.hf_trainer import check_trainer_setup
+    from ulysses_lc.integrations.hf_trainer import check_trainer_setup
 
     args = SimpleNamespace(deepspeed=DS)
     with pytest.raises(ValueError, match="compute_loss_func"):
@@ -199,7 +199,7 @@ def test_logits_losses_and_trl_settings_refused():
 
 def test_packed_positions_become_document_lengths():
     from ulysses_lc import ParallelLayout
-    from ulysses_lc.hf_trainer import ShardingCollator
+    from ulysses_lc.integrations.hf_trainer import ShardingCollator
 
     # TRL's padding_free/packing collator: positions restart per document, the first label of each is ignored.
     def collate(examples):
@@ -225,8 +225,8 @@ def sft_worker(rank, world, sp_size, out, mode):
     import datasets
     from trl import SFTConfig
 
-    from ulysses_lc.hf_trainer import UlyssesSFTTrainer
-    from ulysses_lc.distributed import init_distributed
+    from ulysses_lc.integrations.hf_trainer import UlyssesSFTTrainer
+    from ulysses_lc.parallel.distributed import init_distributed
     from ulysses_lc.tiny import tiny_tokenizer
 
     init_distributed()  # as a script does: zero.Init (from_config after the SFTConfig below) then sees both ranks
@@ -284,7 +284,7 @@ def save_worker(rank, world, out):
     import datasets
     import deepspeed
 
-    from ulysses_lc.hf_trainer import UlyssesTrainer
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
 
     ds = datasets.Dataset.from_dict({"input_ids": sequences()})
     # _save writes weights only where ZeRO-3 gathers them for saving (the shipped zero3 config sets this too).
@@ -323,7 +323,7 @@ def test_an_engine_built_without_our_mpu_is_refused():
     the function up at call time: the first training step checks that the engine holds our mpu (issue 28, item 4)."""
     from types import SimpleNamespace
 
-    from ulysses_lc.hf_trainer import check_engine_mpu
+    from ulysses_lc.integrations.hf_trainer import check_engine_mpu
 
     layout = SimpleNamespace()
     check_engine_mpu(SimpleNamespace(mpu=SimpleNamespace(layout=layout)), layout)

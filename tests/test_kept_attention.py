@@ -18,8 +18,8 @@ from tests._dist import run_distributed, run_shared
 from tests.models import VOCAB, build
 from ulysses_lc import LayerRun, ParallelLayout, SequenceParallelCausalLM, shard_batch
 from ulysses_lc import explicit_attention as attention_mod
-from ulysses_lc.checkpointing import install_checkpointing
-from ulysses_lc.memory import MemoryPlan, plan_memory
+from ulysses_lc.levers.checkpointing import install_checkpointing
+from ulysses_lc.plan.memory import MemoryPlan, plan_memory
 from ulysses_lc.shape import ModelShape
 
 LAYERS, SEQ = 3, 64

@@ -115,7 +115,7 @@ def test_torch_rule_in_segments_equals_one_call():
     # values, equal where measured).
     import torch.nn.functional as F
 
-    from ulysses_lc.linear_attention import _torch_rule
+    from ulysses_lc.mixers.linear_attention import _torch_rule
 
     layer = build("qwen3_5").model.layers[0].linear_attn
     torch.manual_seed(0)
@@ -138,8 +138,8 @@ def test_shape_counts_the_hybrid_layers():
     # The memory plan and FLOPs read the model through ModelShape: a gated DeltaNet layer's own matmul weights (q, k,
     # v, z, b, a in, out), no attention pairs, an O(s) recurrence, and its recurrence's bytes in the plan's block.
     from ulysses_lc import ModelShape, model_flops_per_step
-    from ulysses_lc.linear_attention import RECURRENCE_BYTES_PER_HEAD_TOKEN, recurrence_block_bytes
-    from ulysses_lc.memory import step_terms
+    from ulysses_lc.mixers.linear_attention import RECURRENCE_BYTES_PER_HEAD_TOKEN, recurrence_block_bytes
+    from ulysses_lc.plan.memory import step_terms
 
     model = build("qwen3_5")
     shape = ModelShape.from_config(model.config)

@@ -37,7 +37,7 @@ def trainer_worker(rank, world_size, out):
     import datasets
 
     from tests.test_hf_trainer import training_args
-    from ulysses_lc.hf_trainer import UlyssesTrainer
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
 
     trainer = UlyssesTrainer(model=build("qwen3_next"), args=training_args(out, 1), sp_size=2,
                              train_dataset=datasets.Dataset.from_dict({"input_ids": sequences()}))

@@ -16,7 +16,7 @@ import pytest
 from transformers import GptOssConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
 
 from ulysses_lc import MemoryPlan, ModelShape, memory, memory_model
-from ulysses_lc.sizing import Job
+from ulysses_lc.plan.sizing import Job
 
 POINTS = json.loads((Path(__file__).parent / "data" / "h200_peaks.json").read_text())["points"]
 WITHIN = 0.10
@@ -141,6 +141,6 @@ def test_every_term_is_needed_to_bound_the_measurements(term, monkeypatch):
     module, name, value = TERMS[term]
     monkeypatch.setattr(module, name, value)
     if module is memory and name == "zero3_state_bytes":
-        monkeypatch.setattr("ulysses_lc.sizing.zero3_state_bytes", value)
+        monkeypatch.setattr("ulysses_lc.plan.sizing.zero3_state_bytes", value)
     below = [p["id"] for p in FITTED_POINTS if not _bounds(p, *predict_point(p))[0]]
     assert below, f"without the {term} every point is still bounded: the term is not tested by the data"

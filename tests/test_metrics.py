@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from ulysses_lc.metrics import (
+from ulysses_lc.plan.metrics import (
     StepLogger,
     matmul_params,
     measure_peak_bf16_tflops,

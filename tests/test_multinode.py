@@ -11,8 +11,8 @@ import pytest
 
 from tests._dist import run_shared
 from tests._nodes import REPO, launch_nodes
-from ulysses_lc.distributed import expand_nodelist, mpi_variables, node_id, slurm_variables
-from ulysses_lc.layout import ParallelLayout, nodes_of, sp_group_ranks
+from ulysses_lc.parallel.distributed import expand_nodelist, mpi_variables, node_id, slurm_variables
+from ulysses_lc.parallel.layout import ParallelLayout, nodes_of, sp_group_ranks
 from ulysses_lc.train import TrainConfig, dry_run
 
 ARGS = ["--seq-len", "512", "--lr-schedule", "constant", "--no-export", "--output-dir", "run", "--save-every", "1", "--cache-dir", "cache"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from ulysses_lc.tiled_mlp import plain_parameter_name
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 LOSS_RTOL = 2e-3
 GRAD_RTOL = 3e-2

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ulysses_lc.checkpointing import install_checkpointing
+from ulysses_lc.levers.checkpointing import install_checkpointing
 
 B, S, H, LAYERS = 2, 16, 32, 3
 

@@ -13,7 +13,7 @@ from tests._dist import run_shared
 from tests.models import VOCAB, build
 from tests.test_sp_parity import assert_close
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
-from ulysses_lc.tiled_mlp import plain_parameter_name
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 # 48 tokens over sp 4 -> shards of 12: document 0 (17) crosses the first border, document 1 (5) is shorter than a
 # shard, document 2 is one token, document 3 (25) crosses two borders.
@@ -127,7 +127,7 @@ def _qkv(device="cpu", dtype=torch.float32, s=40):
 
 
 def test_equal_length_documents_run_as_one_batched_call():
-    from ulysses_lc.kernels import _equal_runs, document_attention
+    from ulysses_lc.mixers.kernels import _equal_runs, document_attention
 
     bounds = [0, 8, 16, 24, 27, 40]  # three documents of 8 (one batched call), then 3 and 13
     assert _equal_runs(bounds) == [(0, 24, 3), (24, 27, 1), (27, 40, 1)]
@@ -145,7 +145,7 @@ def test_equal_length_documents_run_as_one_batched_call():
 def test_cuda_document_attention_matches_per_document_sdpa(how):
     # bf16 on the GPU: outputs and gradients within 2e-2 of the per-document SDPA calls (different kernels'
     # accumulation orders; the CPU tests hold the exact contract).
-    from ulysses_lc.kernels import document_attention
+    from ulysses_lc.mixers.kernels import document_attention
 
     bounds = [0, 512, 1024, 1536, 1664, 4096]
     q, k, v = _qkv("cuda", torch.bfloat16, s=4096)
@@ -161,7 +161,7 @@ def test_packed_plans_no_kept_outputs():
     # Packed documents run attention per document, which keeps no output for the recompute: the plan must not
     # reserve (or promise) kept outputs for them.
     from ulysses_lc import ModelShape
-    from ulysses_lc.memory import plan_step_memory
+    from ulysses_lc.plan.memory import plan_step_memory
 
     shape = ModelShape.from_config(build("qwen3").config)
     layout = ParallelLayout(world_size=1, sp_size=1)

@@ -93,7 +93,7 @@ def test_tiled_mlp_replays_the_adapter_dropout_in_backward():
     # the forward drew. The reference runs the same tiles one after another under autograd (same RNG order).
     from peft import LoraConfig, get_peft_model
 
-    from ulysses_lc.tiled_mlp import TiledMLP
+    from ulysses_lc.levers.tiled_mlp import TiledMLP
 
     model = get_peft_model(build("qwen3"), LoraConfig(r=4, target_modules=["up_proj", "down_proj"], lora_dropout=0.5,
                                                       init_lora_weights=False))

@@ -18,7 +18,7 @@ import torch
 from tests._dist import run_shared
 from tests.models import build
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients
-from ulysses_lc.preference import PreferenceLoss, check_pair, reference_log_probs, shard_pairs
+from ulysses_lc.objectives.preference import PreferenceLoss, check_pair, reference_log_probs, shard_pairs
 from ulysses_lc.tiny import tiny_tokenizer
 
 pytest.importorskip("trl")

@@ -5,7 +5,7 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from tests.models import VOCAB, build
-from ulysses_lc.rmsnorm import RMSNormFunction, install_efficient_rmsnorm
+from ulysses_lc.levers.rmsnorm import RMSNormFunction, install_efficient_rmsnorm
 
 
 # The norm runs in fp32 whatever the input dtype (as in transformers), so fp64 is held to fp32 rounding.
@@ -69,7 +69,7 @@ def test_row_chunks_compute_the_same_numbers(dtype, transposed):
 
 
 def test_default_chunk_is_a_quarter_gib_of_fp32():
-    from ulysses_lc.rmsnorm import _rows_per_chunk
+    from ulysses_lc.levers.rmsnorm import _rows_per_chunk
 
     assert _rows_per_chunk(128) == 2**19  # the q/k norms: 512k rows of one head
     assert _rows_per_chunk(1024) == 2**16
@@ -144,7 +144,7 @@ def test_a_changed_upstream_formula_is_caught_and_left_alone(monkeypatch, caplog
 
     model = build("qwen3")
     monkeypatch.setattr(Qwen3RMSNorm, "forward", changed)
-    with caplog.at_level("WARNING", logger="ulysses_lc.rmsnorm"):
+    with caplog.at_level("WARNING", logger="ulysses_lc.levers.rmsnorm"):
         handle = install_efficient_rmsnorm(model)
     assert not [m for m in model.modules() if "forward" in m.__dict__]
     assert handle.mismatched == ["Qwen3RMSNorm"] and "no longer computes the form" in caplog.text
@@ -159,7 +159,7 @@ def test_gated_norm_matches_transformers(dtype, tol):
     # whose SiLU and row means vectorize otherwise: 6e-8 apart in fp32).
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-    from ulysses_lc.rmsnorm import GatedRMSNormFunction
+    from ulysses_lc.levers.rmsnorm import GatedRMSNormFunction
 
     torch.manual_seed(0)
     norm = Qwen3_5RMSNormGated(16, eps=1e-6).to(dtype)

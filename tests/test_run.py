@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests._dist import _free_port, run_distributed
-from ulysses_lc.ds_config import CONFIG_NAMES, deepspeed_config_path, load_deepspeed_config
+from ulysses_lc.parallel.ds_config import CONFIG_NAMES, deepspeed_config_path, load_deepspeed_config
 from ulysses_lc.train import CheckFailed, NonFiniteError, TrainConfig, dry_run, train
 from ulysses_lc.train.console import RunLogger
 
@@ -61,7 +61,7 @@ def test_wheel_ships_configs_and_finds_them_from_another_folder(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
-    probe = ("import ulysses_lc, ulysses_lc.ds_config as d; print(ulysses_lc.__file__); "
+    probe = ("import ulysses_lc, ulysses_lc.parallel.ds_config as d; print(ulysses_lc.__file__); "
              "print(d.load_deepspeed_config('zero3_offload_all')['zero_optimization']['offload_param'])")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
                          check=True, capture_output=True, text=True).stdout

@@ -13,7 +13,7 @@ import torch
 from tests._memory import room_for_one_input
 from tests.models import build
 from ulysses_lc import SequenceParallelCausalLM, memory, memory_model
-from ulysses_lc.memory import optimizer_reserved_bytes, plan_memory
+from ulysses_lc.plan.memory import optimizer_reserved_bytes, plan_memory
 
 LAYOUT = SimpleNamespace(sp_size=1, world_size=1, rank=0)  # all the wrapper reads of a layout outside a step
 CUDA = torch.device("cuda")  # never touched: the free memory is given

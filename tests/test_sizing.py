@@ -12,8 +12,8 @@ import pytest
 
 from tests.test_memory_prediction import qwen3_config
 from ulysses_lc import ModelShape, memory
-from ulysses_lc.memory_model import PINNED_NODE_SHARE
-from ulysses_lc.sizing import Job, Limits
+from ulysses_lc.plan.memory_model import PINNED_NODE_SHARE
+from ulysses_lc.plan.sizing import Job, Limits
 from ulysses_lc.train import TrainConfig, dry_run
 from ulysses_lc.train.estimate import DoesNotFit
 
@@ -175,7 +175,7 @@ def test_when_no_length_fits_max_seq_len_says_so_and_what_would(folders):
 def test_the_runs_plan_is_capped_by_the_dry_runs_budget(monkeypatch):
     import torch
 
-    from ulysses_lc.layout import ParallelLayout
+    from ulysses_lc.parallel.layout import ParallelLayout
 
     job, seq, limits = _job("qwen3-0.6b", 1), 1 << 18, Limits(149 * GB, 250 * GB)
     monkeypatch.setattr(memory, "measure_free_memory", lambda device, layout: (10**13, 10**13))  # plenty free

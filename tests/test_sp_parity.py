@@ -21,7 +21,7 @@ import torch
 from tests._dist import run_shared
 from tests.models import VOCAB, build
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
-from ulysses_lc.tiled_mlp import plain_parameter_name
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.models import build
-from ulysses_lc.tiled_mlp import TiledMLP, auto_num_tiles, install_tiled_mlp
-from ulysses_lc.tiled_mlp import plain_parameter_name
+from ulysses_lc.levers.tiled_mlp import TiledMLP, auto_num_tiles, install_tiled_mlp
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 

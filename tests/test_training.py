@@ -82,7 +82,7 @@ def test_train_resume_export(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from ulysses_lc.yarn import apply_yarn
+    from ulysses_lc.levers.yarn import apply_yarn
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / EXPORT_DIR, dtype=torch.float32)
     rope = exported.config.rope_parameters

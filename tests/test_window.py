@@ -11,12 +11,12 @@ from transformers import Gemma3TextConfig, GptOssConfig, KimiLinearConfig, Llama
 from tests._attention_ref import dense_reference
 from tests.models import WINDOW_FAMILIES, build, tiny_config
 from ulysses_lc import check_model_for_ulysses, install_efficient_rmsnorm
-from ulysses_lc.chunked_loss import chunked_cross_entropy
-from ulysses_lc.kernels import document_attention
-from ulysses_lc.metrics import model_flops_per_step
+from ulysses_lc.levers.chunked_loss import chunked_cross_entropy
+from ulysses_lc.mixers.kernels import document_attention
+from ulysses_lc.plan.metrics import model_flops_per_step
 from ulysses_lc.shape import ModelShape
-from ulysses_lc.window_attention import window_attention
-from ulysses_lc.yarn import apply_yarn
+from ulysses_lc.mixers.window_attention import window_attention
+from ulysses_lc.levers.yarn import apply_yarn
 
 
 def _inputs(b, h, h_kv, s, d, sinks, seed=0):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests._attention_ref import dense_reference
-from ulysses_lc.kernels import document_attention
-from ulysses_lc.window_attention import window_attention
+from ulysses_lc.mixers.kernels import document_attention
+from ulysses_lc.mixers.window_attention import window_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels: needs a GPU")
 OUT_TOL, GRAD_TOL = 2e-2, 4e-2

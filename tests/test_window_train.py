@@ -40,7 +40,7 @@ def train_worker(rank, world_size, configs, trainer_out):
     import datasets
 
     from tests.test_hf_trainer import sequences, training_args
-    from ulysses_lc.hf_trainer import UlyssesTrainer
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
 
     losses = [[r["loss"] for r in train(cfg)] for cfg in configs]
     trainer = UlyssesTrainer(model=build("gpt_oss"), args=training_args(trainer_out, 1), sp_size=2,

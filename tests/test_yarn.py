@@ -11,7 +11,7 @@ import torch
 from transformers import GPT2Config, Qwen3Config, Qwen3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ulysses_lc.yarn import apply_yarn, covered_length, load_model_for_length, plan_rope, trained_length, yarn_rope_parameters
+from ulysses_lc.levers.yarn import apply_yarn, covered_length, load_model_for_length, plan_rope, trained_length, yarn_rope_parameters
 
 TRAINED, THETA = 64, 50_000.0
 
@@ -60,7 +60,7 @@ def test_inv_freq_and_attention_factor_match_transformers():
 
 def test_no_scaling_within_trained_length(caplog):
     config = _config()
-    with caplog.at_level(logging.INFO, logger="ulysses_lc.yarn"):
+    with caplog.at_level(logging.INFO, logger="ulysses_lc.levers.yarn"):
         assert yarn_rope_parameters(config, TRAINED) is None
         assert yarn_rope_parameters(config, TRAINED) is None
     assert sum("no RoPE scaling" in r.message for r in caplog.records) == 1  # logged once

@@ -1,61 +1,73 @@
 """ulysses_lc: million-token fine-tuning of Hugging Face causal LMs on DeepSpeed ZeRO-3 with Ulysses SP.
 
-One module per idea (README.md, "How a step flows", follows a step through them):
-  shape.py          ModelShape read once from the config; the package's one shape legend
-  layout.py         ParallelLayout: SP/DP process groups and the DeepSpeed mpu
-  sharding.py       shard_batch: shift, pad and slice one sequence for this rank
-  exchange.py       the all-to-alls around attention (who sends what to whom)
-  kernels.py        causal attention kernels: SDPA (cuDNN first), flash-attn, per document for packed sequences
-  explicit_attention.py  SDPA's forward/backward ops called directly: kept outputs, head groups
-  window_attention.py  sliding-window causal attention and attention sinks (Mistral, Gemma 3, gpt-oss), exact
-  fallbacks.py      which kernel errors mean "no kernel for these inputs"; each fallback taken, for the step record
-  linear_attention.py  gated DeltaNet layers (Qwen3.5, Qwen3-Next): exchange, then conv and recurrence whole (fla/torch)
-  attention.py      UlyssesAttention / install_ulysses_attention: exchange + kernel, registered with transformers
-  recompute.py      RecomputeContext: which checkpointed layer is running, handed from checkpointing to attention
-  checkpointing.py  install_checkpointing: per-layer checkpoints, what is offloaded and when
-  host_pool.py      pinned host buffers and the side-stream round trip through them
-  tiled_mlp.py      install_tiled_mlp: the MLP over sequence tiles
-  rmsnorm.py        install_efficient_rmsnorm: RMSNorm saving its bf16 input
-  chunked_loss.py   chunked_cross_entropy / install_chunked_loss_head: no [tokens x vocab] logits
-  loss.py           sp_mean_loss: the sequence's mean loss over the SP group
-  preference.py     DPO / IPO: pairs packed as two documents, completion log-probs in chunks, the loss, references
-  memory.py         plan_memory -> MemoryPlan: what each layer keeps, from free device and host memory
-  memory_model.py   what a step holds per rank, in terms fitted to measured H200 peaks (the planner's prices)
-  sizing.py         Job: predicted memory per rank, whether it fits, the longest sequence, the step time
-  model.py          SequenceParallelCausalLM: all of the above around a HF model; plan_step, plain names
-  yarn.py           apply_yarn: YaRN RoPE scaling in the config, before weights load
-  ds_config.py      DeepSpeed config checks
-  hf_trainer.py     UlyssesTrainer: the same step inside transformers' Trainer or TRL's SFTTrainer
-  trainer_engine.py the Trainer's DeepSpeed engine gets our mpu (accelerate's initialize reached, the engine checked)
-  hf_dpo.py         ulysses_trainer(DPOTrainer): TRL's DPO rows as packed pairs, its loss on SP log-probabilities
-  distributed.py    init_distributed: one process-group start for deepspeed, torchrun, accelerate and plain python
-Every install_* returns a Handle whose undo() gives the model back as it was. The main job that strings them
-together (flags, checks, loop, checkpoints, export) is `ulysses_lc.train`.
+The package is laid out by what each part is, lowest floor first; a floor imports only the floors below it
+(tests/test_structure.py holds the rule). README.md, "How a step flows", follows one step through them.
+
+  ground         constants, handle (what every install_* returns), layers (where a model keeps its decoder
+                 layers), shape (ModelShape, read once from the config), recompute (the checkpointing <-> attention
+                 channel), peft_support, tiny (the tiny model and text of the embedded default)
+  parallel/      process groups and data placement: distributed, layout, sharding, exchange, zero_reshard, ds_config
+  mixers/        what runs on the whole sequence after the exchange: attention, kernels, explicit_attention,
+                 window_attention, linear_attention, fallbacks
+  levers/        the memory levers: chunked_loss, checkpointing, host_pool, tiled_mlp, rmsnorm, yarn
+  objectives/    what a step minimises over the SP group: loss, preference (DPO / IPO)
+  plan/          the sizing model: memory, memory_model, sizing, metrics
+  data/          the token stream: sources, tokenize, cache, packing, pairs
+  model.py       SequenceParallelCausalLM: the pieces around a HF model; plan_step, plain names
+  integrations/  transformers' Trainer, TRL's SFT and DPO trainers, accelerate's engine
+  train/         the main job: flags resolved into each part's settings, checks, loop, checkpoints, export
+
+Every install_* returns a Handle whose undo() gives the model back as it was. The names below are the public
+face; the flat paths of before (ulysses_lc.exchange, ...) still import, as aliases (ulysses_lc/moved.py).
 """
 
-from .attention import UlyssesAttention, check_model_for_ulysses, install_ulysses_attention
-from .checkpointing import CheckpointHandle, install_checkpointing
-from .chunked_loss import ChunkedLossHead, chunked_cross_entropy, install_chunked_loss_head
-from .constants import IGNORE_INDEX
-from .data import TokenStream, build_token_stream
-from .ds_config import check_deepspeed_config, load_deepspeed_config
-from .handle import Handle
-from .explicit_attention import attention_head_groups
-from .layout import ParallelLayout, reduce_gradients, valid_sp_sizes
-from .linear_attention import install_linear_attention
-from .loss import sp_mean_loss
-from .memory import MemoryPlan, plan_memory, plan_step_memory
-from .preference import PreferenceBatch, PreferenceLoss, reference_log_probs, shard_pairs
-from .metrics import StepLogger, model_flops_per_step
-from .model import SequenceParallelCausalLM
-from .recompute import LayerRun, RecomputeContext
-from .rmsnorm import install_efficient_rmsnorm
-from .shape import ModelShape
-from .sharding import ShardedBatch, document_lengths_from_positions, shard_batch
-from .tiled_mlp import TiledMLP, install_tiled_mlp
-from .yarn import apply_yarn, load_model_for_length, yarn_rope_parameters
+from . import moved
+
+moved.install()
+
+from .constants import IGNORE_INDEX  # noqa: E402
+from .data import TokenStream, build_token_stream  # noqa: E402
+from .handle import Handle  # noqa: E402
+from .levers.checkpointing import CheckpointHandle, install_checkpointing  # noqa: E402
+from .levers.chunked_loss import ChunkedLossHead, chunked_cross_entropy, install_chunked_loss_head  # noqa: E402
+from .levers.rmsnorm import install_efficient_rmsnorm  # noqa: E402
+from .levers.tiled_mlp import TiledMLP, install_tiled_mlp  # noqa: E402
+from .levers.yarn import apply_yarn, load_model_for_length, yarn_rope_parameters  # noqa: E402
+from .mixers.attention import UlyssesAttention, check_model_for_ulysses, install_ulysses_attention  # noqa: E402
+from .mixers.explicit_attention import attention_head_groups  # noqa: E402
+from .mixers.linear_attention import install_linear_attention  # noqa: E402
+from .model import SequenceParallelCausalLM  # noqa: E402
+from .objectives.loss import sp_mean_loss  # noqa: E402
+from .objectives.preference import PreferenceBatch, PreferenceLoss, reference_log_probs, shard_pairs  # noqa: E402
+from .parallel.distributed import destroy_distributed, init_distributed  # noqa: E402
+from .parallel.ds_config import check_deepspeed_config, load_deepspeed_config  # noqa: E402
+from .parallel.layout import ParallelLayout, reduce_gradients, valid_sp_sizes  # noqa: E402
+from .parallel.sharding import ShardedBatch, document_lengths_from_positions, shard_batch  # noqa: E402
+from .peft_support import lora_config  # noqa: E402
+from .plan.memory import MemoryPlan, plan_memory, plan_step_memory  # noqa: E402
+from .plan.metrics import StepLogger, model_flops_per_step  # noqa: E402
+from .recompute import LayerRun, RecomputeContext  # noqa: E402
+from .shape import ModelShape  # noqa: E402
+
+# The integrations import transformers' Trainer (and TRL where asked): loaded on first use, not with the package.
+_LAZY = {"UlyssesTrainer": "hf_trainer", "UlyssesSFTTrainer": "hf_trainer", "ulysses_trainer": "hf_trainer"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".integrations.{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'ulysses_lc' has no attribute {name!r}")
+
 
 __all__ = [
+    "UlyssesTrainer",
+    "UlyssesSFTTrainer",
+    "ulysses_trainer",
+    "init_distributed",
+    "destroy_distributed",
+    "lora_config",
     "IGNORE_INDEX",
     "CheckpointHandle",
     "ChunkedLossHead",

@@ -15,21 +15,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import fallbacks
-from .attention import install_ulysses_attention
-from .checkpointing import install_checkpointing
-from .chunked_loss import ChunkedLossHead, final_logit_softcap, install_chunked_loss_head
+from .mixers import fallbacks
+from .mixers.attention import install_ulysses_attention
+from .levers.checkpointing import install_checkpointing
+from .levers.chunked_loss import ChunkedLossHead, final_logit_softcap, install_chunked_loss_head
 from .constants import IGNORE_INDEX
-from .explicit_attention import explicit_attention, keeps_attention_outputs
-from .layout import ParallelLayout
-from .loss import sp_mean_loss
-from .memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
+from .mixers.explicit_attention import explicit_attention, keeps_attention_outputs
+from .parallel.layout import ParallelLayout
+from .objectives.loss import sp_mean_loss
+from .plan.memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
 from .peft_support import causal_lm, check_peft_model
-from .preference import document_log_probs
+from .objectives.preference import document_log_probs
 from .recompute import RecomputeContext
-from .rmsnorm import install_efficient_rmsnorm
+from .levers.rmsnorm import install_efficient_rmsnorm
 from .shape import ModelShape
-from .tiled_mlp import install_tiled_mlp, plain_parameter_name
+from .levers.tiled_mlp import install_tiled_mlp, plain_parameter_name
 
 
 def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
@@ -130,7 +130,7 @@ class SequenceParallelCausalLM(nn.Module):
         heads (each window size its layers use), so that a kernel that refuses them is known before the plan is
         made and named in the start-up block (fallbacks.py). Returns every fallback taken so far; where no explicit
         kernel takes the full-attention call, plans count no kept outputs or head groups (`plan_step`)."""
-        from .window_attention import window_attention
+        from .mixers.window_attention import window_attention
 
         shape, sp = self.shape, self.layout.sp_size
         heads, kv_heads = shape.local_heads(sp), shape.local_kv_heads(sp)
@@ -197,7 +197,7 @@ class SequenceParallelCausalLM(nn.Module):
     def summary(self, seq_len: int, device: torch.device, length_note: str = "") -> list[str]:
         """Start-up lines for a log: layout and where the SP groups sit, model, length and RoPE scaling, kernel, the
         plan in use (the Trainer path prints these; the main job's block, train/console.py, says the same and more)."""
-        from .yarn import describe_rope_scaling
+        from .levers.yarn import describe_rope_scaling
 
         layout, config = self.layout, self.config
         layers = config.num_hidden_layers

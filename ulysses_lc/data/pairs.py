@@ -70,7 +70,7 @@ def tiny_pairs(n: int, max_chars: int, seed: int = 0) -> list[dict]:
 
 def read_pairs(src: Source, tokenizer, seq_len: int, limit: int | None = None) -> list[tuple]:
     """Every pair of `src` (the first `limit` rows at most), tokenized and checked against seq_len."""
-    from ..preference import check_pair
+    from ..objectives.preference import check_pair
 
     rows = tiny_pairs(TINY_PAIRS, seq_len // 4, src.seed) if src.kind == "tiny" else iter_rows(src)
     pairs = []

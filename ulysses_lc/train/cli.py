@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 
-from ..distributed import destroy_distributed
+from ..parallel.distributed import destroy_distributed
 from . import job_watch
 from .console import quiet_warnings
 from .job_table import record_for_launcher

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..explicit_attention import valid_head_groups
+from ..mixers.explicit_attention import valid_head_groups
 from ..data.settings import DataSettings
-from ..kernels import DOCUMENT_VARLEN_TOKENS, KERNELS
-from ..layout import PLACEMENTS
+from ..mixers.kernels import DOCUMENT_VARLEN_TOKENS, KERNELS
+from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
 
@@ -163,7 +163,7 @@ class TrainConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)} set up preference training; add --method dpo or drop them.")
             return
-        from ..preference import PreferenceLoss
+        from ..objectives.preference import PreferenceLoss
 
         PreferenceLoss(self.dpo_beta, self.dpo_loss, self.dpo_label_smoothing)  # its ValueError names the setting
         if self.dpo_reference not in ("auto", "copy", "adapters", "precomputed"):

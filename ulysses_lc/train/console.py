@@ -6,10 +6,10 @@ import os
 import sys
 import warnings
 
-from .. import fallbacks
-from ..metrics import StepLogger
-from ..sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
-from ..yarn import describe_rope_scaling
+from ..mixers import fallbacks
+from ..plan.metrics import StepLogger
+from ..plan.sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
+from ..levers.yarn import describe_rope_scaling
 
 
 def quiet_warnings(rank: int | None = None) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..distributed import world_size
-from ..layout import ParallelLayout, nodes_of
+from ..parallel.distributed import world_size
+from ..parallel.layout import ParallelLayout, nodes_of
 from .checkpoint_files import human_bytes
 from .config import TrainConfig
 from .console import layout_line, startup_block

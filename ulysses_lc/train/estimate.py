@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..distributed import local_world_size
-from ..memory import optimizer_reserved_bytes
-from ..memory_model import HOST_HEADROOM
+from ..parallel.distributed import local_world_size
+from ..plan.memory import optimizer_reserved_bytes
+from ..plan.memory_model import HOST_HEADROOM
 from ..shape import ModelShape
-from ..sizing import GB, Fit, Job, Limits, StepMemory
+from ..plan.sizing import GB, Fit, Job, Limits, StepMemory
 from .preference_step import reference_kind
 from .preflight import CheckFailed
 

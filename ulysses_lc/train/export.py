@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..layout import ParallelLayout
+from ..parallel.layout import ParallelLayout
 from ..model import SequenceParallelCausalLM
 from ..peft_support import is_peft_model, merged_model
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..distributed import launcher_node_index, number_nodes
+from ..parallel.distributed import launcher_node_index, number_nodes
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,12 @@ import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
 from ..data.cache import default_cache_dir
-from ..distributed import init_distributed, seed_step, world_size
-from ..layout import ParallelLayout
-from ..metrics import measure_peak_bf16_tflops, model_flops_per_step
+from ..parallel.distributed import init_distributed, seed_step, world_size
+from ..parallel.layout import ParallelLayout
+from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
-from ..sharding import shard_batch
-from ..zero_reshard import universal_config
+from ..parallel.sharding import shard_batch
+from ..parallel.zero_reshard import universal_config
 from .run_state import (check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line, save_checkpoint,
                         write_run_file)
 from .config import TrainConfig

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from ..data import parse_source
 from ..data.pairs import PairStream
-from ..layout import ParallelLayout
+from ..parallel.layout import ParallelLayout
 from ..model import SequenceParallelCausalLM
-from ..preference import PreferenceLoss, reference_log_probs, shard_pairs
+from ..objectives.preference import PreferenceLoss, reference_log_probs, shard_pairs
 from .loading import load_model
 
 # TRL's metric names (rewards/margins, ...) as metrics.jsonl keys.

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..attention import check_model_for_ulysses
+from ..mixers.attention import check_model_for_ulysses
 from ..data import parse_source
-from ..ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
-from ..layout import ParallelLayout
+from ..parallel.ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
+from ..parallel.layout import ParallelLayout
 from ..peft_support import count_trainable_parameters, lora_config
-from ..yarn import plan_rope
-from ..zero_reshard import check_complete
+from ..levers.yarn import plan_rope
+from ..parallel.zero_reshard import check_complete
 from .run_state import CHECKPOINT_DIR, check_output_dir, find_latest_run, latest_tag, saved_layout
 from .config import TrainConfig
 from .loading import hub_offline, load_model_config

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..zero_reshard import load_resharded, model_states_name, read_model_states
+from ..parallel.zero_reshard import load_resharded, model_states_name, read_model_states
 from .checkpoint_files import (SaveFailed, choose_checkpoint, recording_files, save_failure, state_bytes, verify,
                                write_manifest)
 

@@ -45,11 +45,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .handle import Handle
+from ..handle import Handle
 from .host_pool import HostRoundTrip
-from .layers import checkpointable_layers
-from .recompute import LayerRun, RecomputeContext
-from .shape import ModelShape
+from ..layers import checkpointable_layers
+from ..recompute import LayerRun, RecomputeContext
+from ..shape import ModelShape
 
 _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 18  # real layer inputs are GBs; tiny runs still exercise the hooks
 

@@ -30,11 +30,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .exchange import bshd_heads_to_seq, bshd_seq_to_heads
-from .handle import Handle
-from .layout import ParallelLayout
-from .shape import text_config
-from .sharding import check_document_bounds
+from ..parallel.exchange import bshd_heads_to_seq, bshd_seq_to_heads
+from ..handle import Handle
+from ..parallel.layout import ParallelLayout
+from ..shape import text_config
+from ..parallel.sharding import check_document_bounds
 
 logger = logging.getLogger(__name__)
 

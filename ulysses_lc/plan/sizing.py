@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from . import memory_model
 from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
-from .shape import ModelShape
+from ..shape import ModelShape
 
 GB = 1e9
 

@@ -24,18 +24,18 @@ import logging
 
 import torch
 
-from .exchange import heads_to_seq, qkv_seq_to_heads, replicate_kv_heads
-from .handle import Handle
+from ..parallel.exchange import heads_to_seq, qkv_seq_to_heads, replicate_kv_heads
+from ..handle import Handle
 from .explicit_attention import (
     ExplicitAttention, attention_head_groups, check_head_groups, explicit_attention, keeps_attention_outputs,
     valid_head_groups,
 )
 from .kernels import KERNELS, causal_attention, document_attention, flash_attn_func, resolve_kernel
-from .layout import ParallelLayout, check_heads
+from ..parallel.layout import ParallelLayout, check_heads
 from .linear_attention import LINEAR_MODEL_TYPES, check_linear_heads, install_linear_attention
-from .recompute import LayerRun, RecomputeContext
-from .shape import ModelShape, text_config
-from .sharding import check_document_bounds
+from ..recompute import LayerRun, RecomputeContext
+from ..shape import ModelShape, text_config
+from ..parallel.sharding import check_document_bounds
 from .window_attention import window_attention
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .ds_config import check_deepspeed_config
-from .layout import ParallelLayout
+from ..parallel.ds_config import check_deepspeed_config
+from ..parallel.layout import ParallelLayout
 
 
 @contextlib.contextmanager

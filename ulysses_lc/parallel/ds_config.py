@@ -15,7 +15,7 @@ from .layout import ParallelLayout
 # The configs found by name from any folder: the one copy is the checkout's top-level ds_configs/, which a wheel
 # ships as ulysses_lc/ds_configs/ (pyproject's package-dir). An installed wheel has the first folder, a checkout
 # (editable install, PYTHONPATH) the second.
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # ulysses_lc/
 CONFIG_DIRS = (_PACKAGE / "ds_configs", _PACKAGE.parent / "ds_configs")
 CONFIG_NAMES = ("zero3", "zero3_offload_optimizer", "zero3_offload_all")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layout import ParallelLayout
+from ..parallel.layout import ParallelLayout
 
 
 class _SumOverGroup(torch.autograd.Function):

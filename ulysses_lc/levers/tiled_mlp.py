@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from .handle import Handle
-from .layers import decoder_layers
+from ..handle import Handle
+from ..layers import decoder_layers
 
 
 MIN_TILE_TOKENS = 1024

@@ -23,9 +23,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunked_loss import check_labels_in_vocab
-from .constants import IGNORE_INDEX
+from ..constants import IGNORE_INDEX
 from .layout import ParallelLayout
+
+
+def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless every label other than IGNORE_INDEX is in [0, vocab_size).
+
+    Reads the values: free on CPU tensors, a host sync on a GPU, so call it where the labels are
+    built on the host (shard_batch does with vocab_size=...), not in the training step.
+    """
+    valid = labels != IGNORE_INDEX
+    if bool((valid & ((labels < 0) | (labels >= vocab_size))).any()):
+        labels_valid = labels[valid]
+        raise ValueError(
+            f"labels must be in [0, {vocab_size}) or IGNORE_INDEX={IGNORE_INDEX}; got "
+            f"min={int(labels_valid.min())}, max={int(labels_valid.max())}. Check that the "
+            "tokenizer matches the model and that padding uses IGNORE_INDEX."
+        )
 
 
 @dataclass

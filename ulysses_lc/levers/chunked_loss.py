@@ -56,8 +56,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .constants import IGNORE_INDEX
-from .handle import Handle
+from ..constants import IGNORE_INDEX
+from ..handle import Handle
+from ..parallel.sharding import check_labels_in_vocab
 
 # fp32 logits bytes per chunk. 1 GiB is ~1.7k rows at v=152k: large enough that each matmul
 # fills an H100/H200 (TRL's 256 rows leave it underused at this vocabulary), small enough that
@@ -79,22 +80,6 @@ def auto_chunk_rows(vocab_size: int, target_bytes: int = _TARGET_CHUNK_LOGITS_BY
     """Rows per chunk so that one chunk's fp32 logits take about `target_bytes`."""
     rows = target_bytes // (4 * vocab_size)
     return max(_ROW_MULTIPLE, rows // _ROW_MULTIPLE * _ROW_MULTIPLE)
-
-
-def check_labels_in_vocab(labels: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError unless every label other than IGNORE_INDEX is in [0, vocab_size).
-
-    Reads the values: free on CPU tensors, a host sync on a GPU, so call it where the labels are
-    built on the host (shard_batch does with vocab_size=...), not in the training step.
-    """
-    valid = labels != IGNORE_INDEX
-    if bool((valid & ((labels < 0) | (labels >= vocab_size))).any()):
-        labels_valid = labels[valid]
-        raise ValueError(
-            f"labels must be in [0, {vocab_size}) or IGNORE_INDEX={IGNORE_INDEX}; got "
-            f"min={int(labels_valid.min())}, max={int(labels_valid.max())}. Check that the "
-            "tokenizer matches the model and that padding uses IGNORE_INDEX."
-        )
 
 
 def check_labels_on_device(labels_t: torch.Tensor, valid_t: torch.Tensor, v: int) -> None:
@@ -330,7 +315,6 @@ __all__ = [
     "chunk_step",
     "ChunkedLossHead",
     "auto_chunk_rows",
-    "check_labels_in_vocab",
     "chunked_cross_entropy",
     "final_logit_softcap",
     "install_chunked_loss_head",

@@ -19,15 +19,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .checkpointing import checkpointed_input_bytes_per_token
-from .attention import kept_output_bytes_per_token
-from .chunked_loss import auto_chunk_rows, loss_head_bytes
-from .explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
-from .layout import ParallelLayout
-from .linear_attention import recurrence_block_bytes
+from ..levers.checkpointing import checkpointed_input_bytes_per_token
+from ..mixers.attention import kept_output_bytes_per_token
+from ..levers.chunked_loss import auto_chunk_rows, loss_head_bytes
+from ..mixers.explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
+from ..parallel.layout import ParallelLayout
+from ..mixers.linear_attention import recurrence_block_bytes
 from .memory_model import ALLOCATOR_SLACK, CONTEXT_BYTES, HOST_HEADROOM, StepTerms, zero3_working_bytes
-from .shape import ModelShape
-from .window_attention import band_bytes_per_token
+from ..shape import ModelShape
+from ..mixers.window_attention import band_bytes_per_token
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .handle import Handle
+from ..handle import Handle
 
 logger = logging.getLogger(__name__)
 

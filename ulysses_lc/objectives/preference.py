@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .chunked_loss import ChunkedLossHead, auto_chunk_rows, check_labels_on_device, chunk_step, final_logit_softcap
-from .constants import IGNORE_INDEX
-from .layout import ParallelLayout
+from ..levers.chunked_loss import ChunkedLossHead, auto_chunk_rows, check_labels_on_device, chunk_step, final_logit_softcap
+from ..constants import IGNORE_INDEX
+from ..parallel.layout import ParallelLayout
 from .loss import sp_sum
-from .peft_support import is_peft_model
-from .sharding import ShardedBatch, shard_batch
+from ..peft_support import is_peft_model
+from ..parallel.sharding import ShardedBatch, shard_batch
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -210,7 +210,7 @@ def document_log_probs(model, hidden_bse, labels_bs, cu_seqlens, n_documents: in
     (differentiable; summed over the SP group). `model`: the SequenceParallelCausalLM whose head scores them."""
     if cu_seqlens is None:
         raise ValueError("document log-probabilities need the packed documents' borders: build the batch with "
-                         "ulysses_lc.preference.shard_pairs.")
+                         "ulysses_lc.objectives.preference.shard_pairs.")
     documents = DocumentRows.for_rank(cu_seqlens, layout.sp_rank, hidden_bse.shape[1], n_documents)
     head = model.causal_lm.get_output_embeddings()
     if isinstance(head, ChunkedLossHead):

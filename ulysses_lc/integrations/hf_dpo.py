@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .attention import check_model_for_ulysses
-from .layout import ParallelLayout
-from .model import SequenceParallelCausalLM
-from .peft_support import is_peft_model
-from .preference import LOSS_TYPES, PreferenceBatch, PreferenceLoss, check_pair, reference_log_probs, shard_pairs
-from .sharding import ShardedBatch
+from ..mixers.attention import check_model_for_ulysses
+from ..parallel.layout import ParallelLayout
+from ..model import SequenceParallelCausalLM
+from ..peft_support import is_peft_model
+from ..objectives.preference import LOSS_TYPES, PreferenceBatch, PreferenceLoss, check_pair, reference_log_probs, shard_pairs
+from ..parallel.sharding import ShardedBatch
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 

@@ -1,6 +1,6 @@
 """Train through Hugging Face's `Trainer` or TRL's `SFTTrainer`: one class swap, the script stays a Trainer script.
 
-    from ulysses_lc.hf_trainer import UlyssesTrainer, ulysses_trainer
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer, ulysses_trainer
     trainer = UlyssesTrainer(model=model, args=TrainingArguments(..., deepspeed=load_deepspeed_config("zero3")),
                              train_dataset=ds, data_collator=collator, sp_size=2, seq_len=131072)
     trainer = ulysses_trainer(SFTTrainer)(model=model, args=SFTConfig(..., deepspeed=...), ...)   # TRL
@@ -40,15 +40,15 @@ import logging
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .attention import check_model_for_ulysses
-from .constants import IGNORE_INDEX
-from .data import pad_token_id
-from .ds_config import check_deepspeed_config
-from .distributed import init_distributed, seed_step
-from .layout import ParallelLayout
+from ..mixers.attention import check_model_for_ulysses
+from ..constants import IGNORE_INDEX
+from ..data import pad_token_id
+from ..parallel.ds_config import check_deepspeed_config
+from ..parallel.distributed import init_distributed, seed_step
+from ..parallel.layout import ParallelLayout
 from .trainer_engine import check_engine_mpu, deepspeed_initialize_with_mpu
-from .model import SequenceParallelCausalLM
-from .sharding import document_lengths_from_positions, shard_batch
+from ..model import SequenceParallelCausalLM
+from ..parallel.sharding import document_lengths_from_positions, shard_batch
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from . import fallbacks
-from .shape import ModelShape
+from ..mixers import fallbacks
+from ..shape import ModelShape
 
 
 @dataclass(frozen=True)
