@@ -172,6 +172,8 @@ def _damaged_worker(rank, world_size, tmp):
         result["full"] = train_worker(rank, world_size, cfg)
         step4 = Path("run/checkpoints/step4")
         result["manifest"] = json.loads((step4 / "manifest.json").read_text())["files"]
+        if rank == 0:  # copies for resumes on one rank (the test's next body), damaged otherwise
+            _damaged_copies(Path("run"))
         for case in ("truncated", "zeroed"):
             lines.clear()
             if rank == 0:
@@ -185,6 +187,51 @@ def _damaged_worker(rank, world_size, tmp):
                         f.write(bytes(4096))
             dist.barrier()
             result[case] = train_worker(rank, world_size, replace(cfg, resume=True))
+            result[f"{case}_lines"] = list(lines)
+    finally:
+        log.removeHandler(handler)
+    return result
+
+
+def _damaged_copies(run: Path) -> None:
+    import shutil
+
+    def cut(path):
+        os.truncate(path, path.stat().st_size // 2)
+
+    for case in ("zeroed", "manifest", "none"):
+        shutil.copytree(run, case)
+    (optim4,) = Path("zeroed/checkpoints/step4").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(optim4, "r+b") as f:  # as in the 2-rank case: the same size, read by torch.load without a word
+        f.seek(optim4.stat().st_size // 2)
+        f.write(bytes(4096))
+    cut(Path("manifest/checkpoints/step4/manifest.json"))  # a copy cut short at its last file
+    Path("none/checkpoints/step4/manifest.json").unlink()  # left out of a copy; and step 2 cut short too
+    cut(next(Path("none/checkpoints/step2").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")))
+
+
+def _resharded_resume_worker(rank, world_size, tmp):
+    import logging
+
+    from tests.test_training import train_worker
+    from ulysses_lc.train import TrainConfig
+
+    os.chdir(tmp)
+    lines, result = [], {}
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("ulysses_lc.train")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        for case in ("zeroed", "manifest", "none"):
+            lines.clear()
+            cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=2,
+                              keep_checkpoints=0, cache_dir="cache", export=False, output_dir=case, resume=True)
+            try:
+                result[case] = train_worker(rank, world_size, cfg)
+            except ValueError as e:
+                result[case] = str(e)
             result[f"{case}_lines"] = list(lines)
     finally:
         log.removeHandler(handler)
@@ -207,8 +254,28 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_resumes(tmp_path)
         assert "resuming from step2, the newest checkpoint whose files check against its manifest; step4 is " \
                "damaged:" in text, text
         assert re.search(fragment, text), text
+        assert "resumed step 2 on the layout that saved it" in text, text  # the step loaded, not the damaged one's
         # From step 2, steps 3 and 4 again: the uninterrupted run's (and step 4 saved anew).
         np.testing.assert_allclose(losses_of(result[case]), losses_of(result["full"])[2:], rtol=1e-6)
+    # Saved on 2 ranks, resumed on 1 (the ZeRO-3 state resharded from every old rank's files): a damaged file or
+    # manifest passes the checkpoint over, as on the layout that saved it; with none that checks, the resume refuses.
+    resharded = run_shared(_resharded_resume_worker, 1, str(tmp_path), kind="deepspeed")[0]
+    for case, fragment in [("zeroed", r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: CRC-32 [0-9a-f]{8}, the manifest "
+                                      r"says [0-9a-f]{8}"),
+                           ("manifest", r"step4/manifest\.json: cannot be read \(JSONDecodeError: .*; cut short or "
+                                        r"overwritten\)")]:
+        text = "\n".join(resharded[f"{case}_lines"])
+        assert "resuming from step2, the newest checkpoint whose files check against its manifest; step4 is " \
+               "damaged:" in text and re.search(fragment, text), text
+        assert "resumed step 2 saved on 2 ranks (sp 2 x dp 1) on 1 rank (sp 1 x dp 1): ZeRO-3 state resharded" in text
+        # Within float32 reduction order (tests/test_reshard.py measured 9.6e-8 on 1 rank).
+        np.testing.assert_allclose(losses_of(resharded[case]), losses_of(result["full"])[2:], rtol=1e-6)
+    refusal = resharded["none"]
+    assert isinstance(refusal, str) and refusal.startswith("--resume: no checkpoint in none/checkpoints checks "
+                                                           "against its manifest"), refusal
+    assert re.search(r"step4: \S*step4/manifest\.json: missing, while the older step2 has one .*; step2: \S*"
+                     r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: [\d,]+ bytes, the manifest says [\d,]+ \(cut short",
+                     refusal), refusal
 
 
 # -- clear I/O errors (issue 30) -------------------------------------------------------------------------------

@@ -194,8 +194,9 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
         start_step = load_checkpoint(engine, out, stream, layout, schedule=schedule)
         extended = schedule.extend(start_step, cfg.steps)
         _apply_lr(scheduler, schedule, cfg)  # a new --lr or --weight-decay; the checkpoint's lr otherwise, as saved
+        loaded = {**checked.saved, "step": start_step, "position": stream.position}  # an older one where it is damaged
         if rank0:
-            for line in [resume_line(checked.saved, world, sp_size, global_batch), *change_lines(checked.changed),
+            for line in [resume_line(loaded, world, sp_size, global_batch), *change_lines(checked.changed),
                          *([extended] if extended else [])]:
                 logger.info(line)
         if run_files.writes:
