@@ -147,6 +147,37 @@ def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path
         parse_args(["--export-merged"]).check()
 
 
+def test_a_resume_refuses_another_deepspeed_config_by_what_it_holds_not_by_its_name(tmp_path):
+    from ulysses_lc.parallel.ds_config import load_deepspeed_config
+    from ulysses_lc.train import TrainConfig, parse_args
+    from ulysses_lc.train.resume import resolve
+    from ulysses_lc.train.run_state import write_run_file
+
+    mine = tmp_path / "ds.json"
+    mine.write_text(json.dumps(load_deepspeed_config("zero3")))
+    for name in ("zero3", str(mine)):
+        run = tmp_path / Path(name).stem
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "latest").write_text("step2")
+        write_run_file(run, TrainConfig(model="tiny", data="tiny", seq_len=256, ds_config=name), 1, 1)
+    resume = ["--resume", "--output-dir"]
+    # The same settings under another name (the shipped file copied, or a path to it): no change.
+    cfg, changed = resolve(parse_args([*resume, str(tmp_path / "zero3"), "--ds-config", str(mine)]), tmp_path / "zero3")
+    assert cfg.ds_config == str(mine) and changed == {}
+    # Another shipped config: refused, naming what differs.
+    with pytest.raises(ValueError, match=r"was trained with another DeepSpeed config than --ds-config "
+                                         r"zero3_offload_optimizer holds now \(optimizer: absent -> \{'type': "
+                                         r"'AdamW'.*; zero_optimization\.offload_optimizer: absent -> \{'device'"):
+        resolve(parse_args([*resume, str(tmp_path / "zero3"), "--ds-config", "zero3_offload_optimizer"]),
+                tmp_path / "zero3")
+    # The run's own file edited since it started, the flag not repeated: refused too (the name alone would pass).
+    mine.write_text(json.dumps({**load_deepspeed_config("zero3"), "gradient_clipping": 0.5}))
+    with pytest.raises(ValueError, match=r"\(gradient_clipping: 1\.0 -> 0\.5\); put the saved settings back "
+                                         r"\(run\.json's ds_config_settings holds them\) or use another --output-dir "
+                                         r"\(the DeepSpeed config cannot change on a resume: the optimizer state"):
+        resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
+
+
 # -- verified checkpoints (issue 30) --------------------------------------------------------------------------
 
 def _damaged_worker(rank, world_size, tmp):
