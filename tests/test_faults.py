@@ -521,6 +521,41 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
     np.testing.assert_allclose(losses_of(resumed), losses_of(reference)[step:], rtol=1e-6)
 
 
+def _one_rank_signalled_worker(rank, world_size, tmp):
+    import signal
+
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.stop import Stopped
+
+    os.chdir(tmp)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=50, lr=3e-3, lr_schedule="constant", save_every=0,
+                      export=False, cache_dir="cache", output_dir="run")
+
+    def on_step(step, record):
+        if rank == 1 and step == 2:  # a signal to rank 1 alone (kill <pid>, a node's own OOM guard, a job step)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        train(cfg, on_step=on_step)
+    except Stopped as e:
+        return str(e), e.code
+    return None
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Rank 0, never signalled, learns of rank 1's stop at the step boundary (one all-reduce) and saves with it; without
+    that agreement rank 1 would save alone while rank 0 trains on, and the job would hang in mismatched collectives."""
+    from tests._dist import run_shared
+
+    stops = run_shared(_one_rank_signalled_worker, 2, str(tmp_path), kind="deepspeed", timeout=240)
+    assert stops[0] is not None and stops[0] == stops[1], stops  # one step, one message, on both ranks
+    message, code = stops[0]
+    step = int((tmp_path / "run" / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert code == 143 and message.startswith(f"stopped at step {step} of 50 by SIGTERM (from the scheduler") and \
+        message.split("; checkpoint")[0].endswith("(rank 1)"), message
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*")) == [f"step{step}"]  # the stop's
+
+
 def _one_process_run():
     """A job of one process started by plain `python` (no launcher, no peers): Ctrl-C stops it at a step with a
     checkpoint and hands the signals back; a resume whose stop's save hangs (a stuck file system) ends past the grace
