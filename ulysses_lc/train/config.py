@@ -10,16 +10,38 @@ run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 
 from ..mixers.explicit_attention import valid_head_groups
-from ..data.settings import DataSettings
-from ..mixers.kernels import DOCUMENT_VARLEN_TOKENS, KERNELS
+from ..mixers.kernels import KERNELS
 from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
 
 TINY = "tiny"
+
+
+class CheckFailed(ValueError):
+    """A user mistake found before any collective; the message names the fix.
+
+    origin: where it was found ("rank 2 on node 1, host h"), when not every rank found it (job_watch.start).
+    """
+
+    def __init__(self, message: str, origin: str | None = None):
+        super().__init__(message)
+        self.origin = origin
+
+
+@contextlib.contextmanager
+def as_check_failed():
+    """A ValueError raised inside becomes a CheckFailed: a user mistake, agreed across ranks (job_watch.start)."""
+    try:
+        yield
+    except CheckFailed:
+        raise
+    except ValueError as e:
+        raise CheckFailed(str(e)) from e
 
 
 @dataclass
@@ -81,24 +103,6 @@ class TrainConfig:
     dpo_loss: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
     dpo_reference: str = "auto"  # auto | copy | adapters | precomputed (train/preference_step.py)
-
-    @property
-    def packed_documents(self) -> bool:
-        """Whether sequences are packed documents (packing, or DPO's two documents per pair): the memory plan's."""
-        return self.packing or self.method == "dpo"
-
-    @property
-    def long_documents(self) -> bool:
-        """DPO without --packing: a sequence is one pair, two documents of about half of --seq-len at the longest,
-        each run by its own kernel call when that is at least DOCUMENT_VARLEN_TOKENS (kernels.document_attention),
-        which the memory model prices as an unpacked layer (memory.step_terms)."""
-        return self.method == "dpo" and not self.packing and self.seq_len >= 2 * DOCUMENT_VARLEN_TOKENS
-
-    @property
-    def data_settings(self) -> DataSettings:
-        """The fields that shape the data (the token cache's key): one object for check_source and the stream."""
-        return DataSettings(text_column=self.text_column, data_config=self.data_config, loss_on=self.loss_on,
-                            packing=self.packing, long_samples=self.long_samples, seed=self.seed)
 
     def check(self) -> None:
         """ValueError naming the flag and the fix for a setting no run can use."""
