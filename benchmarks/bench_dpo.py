@@ -1,6 +1,6 @@
 """One DPO step beside two SFT steps of the same tokens, on one GPU, with the dry run's predicted peaks (issue 29).
 
-    python3 benchmarks/bench_dpo.py --layers 12 --prompt 98304 --completion 32768 --out $OUT
+    python3 benchmarks/bench_dpo.py --prompt 98304 --completion 32768 --budget-s 555 --out $OUT   # 36 layers, ~330 s
 
 The Qwen3-8B shape (--layers of its 36; random bf16 weights from one seed), LoRA r 16 on every projection, the main
 job's way: a ZeRO-3 engine, torch AdamW over the adapters, the plan `plan_step` makes for this GPU. The pair is one
@@ -8,9 +8,12 @@ sequence of two packed documents, prompt + chosen and prompt + rejected, each --
 reference is the model with its adapters off (no second model). The DPO step: the reference forward (no gradient),
 the policy's forward and backward, the optimizer step. Beside it, two SFT steps, one per document, each its own
 sequence (labels on the completion). Each phase is warmed up at 8k tokens first; peaks are
-torch.cuda.max_memory_allocated over the timed steps; predicted: sizing.Job.predict for the plan used (what the
-dry run prints for that plan). A time guard (--budget-s) skips the SFT steps when they no longer fit.
-Writes <out>/dpo.json and prints a table last.
+torch.cuda.max_memory_allocated over the timed steps, also per part of the step (reference forward, forward + loss,
+backward, optimizer step), beside the memory held at its start; predicted: sizing.Job.predict for the plan used (what
+the dry run prints for that plan), with its terms. The timed steps include making the pinned host buffers for the
+offloaded layers (the first step at a plan pays it; its seconds are recorded as host_buffers_s). A time guard
+(--budget-s) runs two SFT steps, one, or none, by what the DPO step's measured / predicted time says they take.
+Writes <out>/dpo.json after each phase and prints a table last.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def main() -> None:
 
     from ulysses_lc import IGNORE_INDEX, MemoryPlan, ModelShape, ParallelLayout, SequenceParallelCausalLM, shard_batch
     from ulysses_lc.parallel.distributed import init_distributed
+    from ulysses_lc.levers.host_pool import HostPool
     from ulysses_lc.parallel.ds_config import check_deepspeed_config, load_deepspeed_config
     from ulysses_lc.peft_support import apply_peft, count_trainable_parameters, lora_config
     from ulysses_lc.objectives.preference import PreferenceLoss, reference_log_probs, shard_pairs
@@ -102,6 +106,27 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
 
+    made = dict(s=0.0, bytes=0)  # pinned host buffers made (allocated and registered) inside the timed steps
+    take = HostPool.take
+
+    def timed_take(pool, nbytes, pin):
+        before, t0 = pool.bytes, time.perf_counter()
+        out = take(pool, nbytes, pin)
+        if pool.bytes > before:
+            made["s"] += time.perf_counter() - t0
+            made["bytes"] += pool.bytes - before
+        return out
+
+    HostPool.take = timed_take
+    parts = {}  # part of the step -> its peak (GB); the step's peak is their max
+
+    def part(name):  # the peak since the last part; "held": the memory allocated as the step starts
+        sync()
+        if cuda:
+            now = (torch.cuda.memory_allocated if name == "held" else torch.cuda.max_memory_allocated)(dev) / GB
+            parts[name] = max(parts.get(name, 0.0), now)
+            torch.cuda.reset_peak_memory_stats(dev)
+
     def tokens(n, seed):
         return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -114,15 +139,17 @@ def main() -> None:
     def dpo_step(prompt, completion):
         pair = (tokens(prompt, 1), tokens(completion, 2), tokens(completion, 3))
         batch = shard_pairs([pair], layout, vocab_size=vocab).to(dev)
-        sync()
+        part("held")
         t0 = time.perf_counter()
         ref = reference_log_probs(engine, batch)
-        sync()
+        part("reference_forward")
         t_ref = time.perf_counter() - t0
         loss, metrics = loss_fn(engine(**batch.as_kwargs()), ref, batch)
+        part("forward_and_loss")
         engine.backward(loss)
+        part("backward")
         engine.step()
-        sync()
+        part("optimizer_step")
         return time.perf_counter() - t0, t_ref, float(loss), float(metrics["rewards/margins"])
 
     def sft_step(prompt, completion, seed):
@@ -130,26 +157,34 @@ def main() -> None:
         labels = ids.clone()
         labels[:prompt] = IGNORE_INDEX
         batch = shard_batch(ids, layout, labels=labels, vocab_size=vocab).to(dev).as_kwargs()
-        sync()
+        part("held")
         t0 = time.perf_counter()
         loss = engine(**batch)
+        part("forward_and_loss")
         engine.backward(loss)
+        part("backward")
         engine.step()
-        sync()
+        part("optimizer_step")
         return time.perf_counter() - t0, float(loss)
 
-    def phase(name, packed, preference, seq, run):
-        plan = wrapper.plan_step(seq, dev, packed=packed, long_documents=preference,
+    def plan_for(packed, preference, seq):
+        return wrapper.plan_step(seq, dev, packed=packed, long_documents=preference,
                                  **plan_reservations(job(packed, preference), limits))
+
+    def phase(name, packed, preference, seq, run, plan):
         predicted = job(packed, preference).predict(seq, plan)
         wrapper.use_plan(plan)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(dev)
+        parts.clear()
+        made.update(s=0.0, bytes=0)
         out = run()
-        rec[name] = dict(plan=list(plan.counts), tokens=seq, predicted_gpu=predicted.gpu / GB,
-                         gpu_peak=torch.cuda.max_memory_allocated(dev) / GB if cuda else float("nan"),
+        peak = max(v for k, v in parts.items() if k != "held") if cuda else float("nan")
+        rec[name] = dict(plan=list(plan.counts), tokens=seq, predicted_gpu=predicted.gpu / GB, gpu_peak=peak,
+                         predicted_terms_gb=dict(state=predicted.state_gpu / GB, gathered=predicted.gathered / GB,
+                                                 activations=predicted.act_gpu / GB, host=predicted.act_host / GB),
+                         part_peaks_gb=dict(parts), host_buffers_s=made["s"], host_buffers_gb=made["bytes"] / GB,
                          predicted_step_s=job(packed, preference).step_seconds(seq, plan), **out)
         print(name, json.dumps(rec[name]), flush=True)
+        (args.out / "dpo.json").write_text(json.dumps(rec, indent=1))
 
     wrapper.use_plan(MemoryPlan(0, 0, 0))
     rec["warmup_dpo_s"] = dpo_step(args.warmup * 3 // 8, args.warmup // 8)[0]
@@ -158,20 +193,28 @@ def main() -> None:
         step_s, ref_s, loss, margin = dpo_step(args.prompt, args.completion)
         return dict(step_s=step_s, reference_forward_s=ref_s, loss=loss, margin=margin)
 
-    phase("dpo", True, True, 2 * doc, run_dpo)
-    (args.out / "dpo.json").write_text(json.dumps(rec, indent=1))
+    phase("dpo", True, True, 2 * doc, run_dpo, plan_for(True, True, 2 * doc))
+    # An SFT step's seconds: its prediction at the rate the DPO step ran against its own (+15% and 20 s spare).
+    sft_plan = plan_for(False, False, doc)
+    rate = rec["dpo"]["step_s"] / rec["dpo"]["predicted_step_s"]
+    sft_s = 1.15 * rate * job(False, False).step_seconds(doc, sft_plan)
+    rec["sft_step_s_expected"] = sft_s
     elapsed = time.perf_counter() - start
-    if elapsed + 1.2 * rec["dpo"]["step_s"] + 20 > args.budget_s:
-        rec["sft"] = dict(status=f"skipped: {elapsed:.0f} s gone of --budget-s {args.budget_s:.0f}")
+    steps = next((n for n in (2, 1) if elapsed + n * sft_s + 20 <= args.budget_s), 0)
+    if not steps:
+        rec["sft"] = dict(status=f"skipped: {elapsed:.0f} s gone of --budget-s {args.budget_s:.0f}, an SFT step "
+                                 f"~{sft_s:.0f} s")
     else:
         wrapper.use_plan(MemoryPlan(0, 0, 0))
         rec["warmup_sft_s"] = sft_step(args.warmup * 3 // 4, args.warmup // 4, 2)[0]
 
         def run_sft():
-            (a, loss_a), (b, loss_b) = sft_step(args.prompt, args.completion, 2), sft_step(args.prompt, args.completion, 3)
-            return dict(step_s=a + b, steps_s=[a, b], losses=[loss_a, loss_b])
+            runs = [sft_step(args.prompt, args.completion, 2)]
+            if steps == 2 and time.perf_counter() - start + 1.1 * runs[0][0] + 10 <= args.budget_s:
+                runs.append(sft_step(args.prompt, args.completion, 3))
+            return dict(step_s=sum(t for t, _ in runs), steps_s=[t for t, _ in runs], losses=[x for _, x in runs])
 
-        phase("sft", False, False, doc, run_sft)
+        phase("sft", False, False, doc, run_sft, sft_plan)
     rec["total_s"] = time.perf_counter() - start
     (args.out / "dpo.json").write_text(json.dumps(rec, indent=1))
     lines = [f"{rec['machine']}; {args.shape} with {rec['layers']} layers, LoRA r {args.lora_r}; pair {args.prompt:,} + "
@@ -182,7 +225,7 @@ def main() -> None:
             lines.append(f"{name:<6} {r['tokens']:>8,} {str(r['plan']):<12} {r['predicted_gpu']:6.1f} / "
                          f"{r['gpu_peak']:6.1f} GB ({r['predicted_gpu'] / r['gpu_peak']:.3f})   {r['step_s']:.1f}"
                          + (f" (reference forward {r['reference_forward_s']:.1f})" if name == "dpo" else
-                            " (two steps)"))
+                            f" ({len(r['steps_s'])} step{'s' if len(r['steps_s']) > 1 else ''})"))
         else:
             lines.append(f"{name:<6} {r.get('status', 'not run')}")
     print("\n".join(lines), flush=True)

@@ -424,6 +424,70 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
     np.testing.assert_allclose(losses_of(resumed), losses_of(reference)[step:], rtol=1e-6)
 
 
+def _one_process_run():
+    """A job of one process started by plain `python` (no launcher, no peers): Ctrl-C stops it at a step with a
+    checkpoint and hands the signals back; a resume whose stop's save hangs (a stuck file system) ends past the grace
+    period. Run in a fresh process by the test below: the grace period ends the process."""
+    import logging
+    import signal
+    import time
+    from dataclasses import replace
+
+    import ulysses_lc.train.loop as loop
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.stop import Stopped
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=200, lr=3e-3, lr_schedule="constant", save_every=0,
+                      export=False, cache_dir="cache", output_dir="run", stop_grace_s=2)
+
+    def send(signum, at):
+        return lambda step, record: os.kill(os.getpid(), signum) if step == at else None
+
+    result = {}
+    try:
+        train(cfg, on_step=send(signal.SIGINT, 3))  # Ctrl-C
+    except Stopped as e:
+        result["stopped"] = [str(e), e.code]
+    result["signals_back"] = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                              and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    step = int(Path("run/checkpoints/latest").read_text().removeprefix("step"))
+    result["reference"] = [r["loss"] for r in train(replace(cfg, steps=step + 2, output_dir="reference"))]
+    print("RESULT " + json.dumps(result), flush=True)
+    loop.save_checkpoint = lambda *args, **kwargs: time.sleep(600)  # the stop's save never returns
+    train(replace(cfg, resume=True), on_step=send(signal.SIGTERM, step + 1))
+    print("RESULT the resume did not stop", flush=True)
+
+
+def test_a_job_of_one_process_stops_with_a_checkpoint_and_a_hung_save_ends_past_the_grace_period(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_run import _env
+
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_faults import _one_process_run; _one_process_run()"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT {")]
+    assert results, out  # a SIGINT without the stop: KeyboardInterrupt, no checkpoint
+    result = results[0]
+    message, code = result["stopped"]
+    step = int((tmp_path / "run" / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert code == 130 and message.startswith(f"stopped at step {step} of 200 by SIGINT (from the scheduler, the "
+                                              "launcher or Ctrl-C") and "(rank 0)" not in message, message
+    assert f"checkpoint run/checkpoints/step{step} written: --resume --output-dir run continues" in message
+    assert result["signals_back"], "a run of one process left its SIGINT/SIGTERM handlers behind"
+    assert "stopping: SIGINT (from the scheduler" in out  # said when the signal came, not only at the step's end
+    # The stop's save hung: the grace period ends the process with the signal's code, saying why, as its last line.
+    last = proc.stderr.splitlines()[-1]
+    assert proc.returncode == 128 + 15 and "stopped by SIGTERM (from the scheduler" in last, out
+    assert "but the step and its checkpoint did not end within --stop-grace-s 2: exits without a new checkpoint" in last
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == f"step{step}"
+    # Stopped at a step boundary: the steps before the stop and the resumed ones are the uninterrupted run's.
+    logged = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(logged, result["reference"], rtol=1e-6)
+
+
 # -- blame (issue 30) ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "none"])

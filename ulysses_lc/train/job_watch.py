@@ -1,16 +1,15 @@
 """A rank that fails on any node ends every rank of the job within seconds, and its cause is printed last on global
 rank 0's console (where the user looks) as well as on the node where it happened (issue 20).
 
-Why: launchers end the ranks of *their* node when one fails, nothing more: node 0 waited in a collective for a failed
-node 1 (NCCL: 30 min). Every rank of every node has the default group's store (a TCPStore, in node 0's torchrun agent
-or in rank 0), so reports travel through it.
+Why: launchers end the ranks of *their* node when one fails, nothing more (node 0 waited 30 min in NCCL for a failed
+node 1). Every rank has the default group's store (a TCPStore, in node 0's torchrun agent or rank 0): reports use it.
 
-Contract (in a job of one process, all of it does nothing):
+Contract (in a job of one process only the stop is watched: signals, the launcher's end, the grace period):
   start(failure, ...)  collective, right after the process group starts: gathers each rank's host, node, pid and
                        preflight outcome; where any rank's checks failed (a file on node 0's disk only), every rank
                        raises the same CheckFailed naming the first failing rank. Otherwise arms the watcher.
-  JobWatch.stop(clean) at the end of train(), every path. clean: marks this rank done on the store (its exit is no
-                       fault), restores the signals; not clean (the process is failing): keeps their hook.
+  JobWatch.stop(clean) at the end of train(): clean marks this rank done on the store (its exit is no fault);
+                       restores the signals, except in a failing rank of many (cli's report decides then).
   publish(message)     a failing rank's report (rank, node, host, pid, message) on the store; the first one wins.
   await_cause(timeout) a rank that lost a peer runs the watcher's checks until one finds the cause and ends the
                        process, or `timeout` passes (the caller then says "lost contact").
@@ -25,8 +24,7 @@ The watcher, one daemon thread per rank waking once a second (POLL_S), off the s
     death), so a sibling checks the pids then, reports, and exits. Otherwise it is a stop asked of the run (stop.py),
     as the launcher's death seen by a poll is: for the loop's next step boundary, ended here past the grace period.
   - only each node's lowest rank (its leader) talks to the store: it reads the report key and adds one to its node's
-    heartbeat counter; rank 0 also reads every node's counter in one multi_get. 2 requests a second per node, not
-    per rank: about 250 a second for 1000 ranks on 125 nodes.
+    heartbeat counter; rank 0 also reads every node's counter in one multi_get (2 requests a second per node).
   - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary
     and exits 1 (the launcher ends the node's other ranks). A report from this node is printed by its reporter.
   - a node whose counter stays still for node_timeout_s (no rank left to report: power, network): rank 0 reports it.
@@ -72,7 +70,8 @@ def start(failure: BaseException | None, *, node_timeout_s: float, stop_grace_s:
         if failure is not None:
             raise failure
         _current = JobWatch(single(), None, "", node_timeout_s, stop_grace_s)
-        return _current  # nothing to watch: stop() does nothing
+        _current._arm()  # no peers, no store: a stop asked (a signal, the launcher's end) and its grace period
+        return _current
     table, extras = gather((uuid.uuid4().hex[:12], outcome(failure)))
     if any(o is not None for _, o in extras):
         _current = JobWatch(table, None, "", node_timeout_s, stop_grace_s)  # no thread: who speaks for the node
@@ -133,7 +132,8 @@ class JobWatch:
 
     def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float, stop_grace_s: float = 25.0):
         self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
-        self.stop_request, self._launchers = StopRequest(stop_grace_s), []  # what the loop is asked (stop.py)
+        self.stop_request = StopRequest(stop_grace_s, announce=table.rank == 0)  # what the loop is asked (stop.py)
+        self._launchers = []
         self.leader = table.rank == min(table.on_node(table.node))
         self._halt = threading.Event()
         self._clean = False  # stopped at the normal end of the run: nothing may end the process from the thread
@@ -146,24 +146,25 @@ class JobWatch:
 
     def stop(self, clean: bool) -> None:
         """End the watch. clean: the run ended normally on this rank, so its exit is no fault."""
-        if self.store is None:
+        if self._thread is None:  # never armed (a failed agreement)
             return
         self._clean = clean
         self._halt.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S)
-        if not clean:
-            return
-        try:
-            self.store.set(self._key(f"done/{self.table.rank}"), "1")
-        except Exception:  # noqa: BLE001 - a store gone at the end of a clean run: nobody is left to be misled
-            pass
+        if self.store is not None:  # one process: no peer to report to, so a failing run keeps no hook either
+            if not clean:
+                return
+            try:
+                self.store.set(self._key(f"done/{self.table.rank}"), "1")
+            except Exception:  # noqa: BLE001 - a store gone at the end of a clean run: nobody is left to be misled
+                pass
         self.signals.disarm()
 
     # -- arming ------------------------------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        if self.table.rank == 0:  # every node's counter exists before rank 0 reads them (multi_get waits for a key)
+        if self.table.rank == 0 and self.store is not None:  # every node's counter exists before rank 0 reads them
             for node in self._beats:
                 self.store.add(self._key(f"beat/{node}"), 0)
         self.signals.arm(lambda signum: self._on_signal(signum, watcher=False))
@@ -188,10 +189,10 @@ class JobWatch:
             self._launchers = []
             self.stop_request.request(f"its launcher (pid {ended[0]}) ended", 1)
         if self.stop_request.overdue():  # published, so that other nodes' ranks, maybe waiting on this one, end too
-            first = self._publish(self._report(self.table.rank, f"stopped by {self.stop_request.reason}, but no step "
-                                  f"ended within --stop-grace-s {self.stop_request.grace_s:g}: exits without a new "
-                                  "checkpoint"))
+            first = self._publish(self._report(self.table.rank, self.stop_request.overdue_line()))
             self._end(first, speak=first.by == self.table.rank, code=self.stop_request.code)
+        if self.store is None:  # one process: nothing else to watch
+            return
         gone = self._gone_peers()
         if gone:
             self._report_gone(gone)

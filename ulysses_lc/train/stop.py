@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sys
 import threading
 import time
 
@@ -39,21 +40,29 @@ class Stopped(Exception):
 class StopRequest:
     """What this process was asked: why, when, and the exit code that says it."""
 
-    def __init__(self, grace_s: float):
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float, announce: bool = False):
+        self.grace_s, self.announce = grace_s, announce  # announce: say at once that the stop was heard (rank 0)
         self.reason: str | None = None
         self.code = 1
         self.at: float | None = None
 
     def request(self, reason: str, code: int) -> bool:
-        """Remember a stop; False where one was asked already (a second signal: the caller ends the process)."""
+        """Remember a stop; False where one was asked already (a repeat: launchers forward their group's signal)."""
         if self.reason is not None:
             return False
         self.reason, self.code, self.at = reason, code, time.monotonic()
+        if self.announce:  # a step can take minutes: the user learns now that the signal was heard
+            print(f"stopping: {reason}; the run stops at the end of this step with a checkpoint, or exits without "
+                  f"one past --stop-grace-s {self.grace_s:g}", file=sys.stderr, flush=True)
         return True
 
     def overdue(self) -> bool:
         return self.at is not None and time.monotonic() - self.at > self.grace_s
+
+    def overdue_line(self) -> str:
+        return (f"stopped by {self.reason}, but the step and its checkpoint did not end within --stop-grace-s "
+                f"{self.grace_s:g}: exits without a new checkpoint (raise --stop-grace-s where a step and a save "
+                "take longer)")
 
     def agreed(self, layout, device) -> str | None:
         """Collective at a step boundary: this rank's reason, or another rank's stop, or None to go on."""
