@@ -114,3 +114,21 @@ def test_a_resume_without_output_dir_finds_the_latest_run_once(tmp_path, monkeyp
         os.utime(latest, (1e9 + age, 1e9 + age))
     run = RunSettings(_tiny(resume=True))
     assert run.output.folder == Path("runs") / "tiny-20261201-000001"
+
+
+def test_a_resume_can_turn_a_saved_switch_back_on(tmp_path):
+    """A run saved with --no-export (or --tensorboard) keeps that on --resume unless the flag is given either way."""
+    from ulysses_lc.train import parse_args
+    from ulysses_lc.train.run_state import CHECKPOINT_DIR, LATEST, RUN_FILE
+
+    run = tmp_path / "run"
+    (run / CHECKPOINT_DIR).mkdir(parents=True)
+    (run / CHECKPOINT_DIR / LATEST).write_text("step3")
+    saved = {**vars(_tiny(export=False, tensorboard=True)), "flags_given": None}
+    (run / RUN_FILE).write_text(__import__("json").dumps(saved))
+    resume = ["--model", "tiny", "--resume", "--output-dir", str(run)]
+    kept = RunSettings(parse_args(resume))
+    assert (kept.output.export, kept.output.tensorboard) == (False, True) and kept.changed == {}
+    turned = RunSettings(parse_args([*resume, "--export", "--no-tensorboard"]))
+    assert (turned.output.export, turned.output.tensorboard) == (True, False)
+    assert turned.changed == {"export": (False, True), "tensorboard": (True, False)}

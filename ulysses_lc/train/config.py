@@ -273,10 +273,13 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "backward's working block exists one group at a time (default auto: under 1 GiB)")
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=d.tensorboard,
+                   help="also log to TensorBoard in --output-dir (--no-tensorboard: not, on a resume of a run that did)")
     p.add_argument("--wandb", dest="wandb_project", metavar="PROJECT",
                    help="also report each step to Weights & Biases in PROJECT (pip install 'ulysses_lc[wandb]')")
-    p.add_argument("--no-export", dest="export", action="store_false", help="skip the final HF export")
+    p.add_argument("--export", action=argparse.BooleanOptionalAction, default=d.export,
+                   help="write the Hugging Face export at the end (default); --no-export skips it. On --resume the "
+                        "saved run's choice holds unless one of the two is given")
     p.add_argument("--lora-r", type=int, default=d.lora_r,
                    help="train LoRA adapters of this rank instead of every weight (needs ulysses_lc[peft]); the "
                         "export is then the adapter (default 0: full fine-tune)")
@@ -284,7 +287,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default=d.lora_targets,
                    help="modules that get adapters, comma-separated (default all: q,k,v,o,gate,up,down projections)")
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the adapters' input")
-    p.add_argument("--export-merged", action="store_true",
+    p.add_argument("--export-merged", action=argparse.BooleanOptionalAction, default=d.export_merged,
                    help="with --lora-r: also export the adapters merged into the base weights (hf_export/merged)")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check and print the memory plan and predicted GPU and host memory per rank; "
