@@ -148,6 +148,37 @@ def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path
         parse_args(["--export-merged"]).check()
 
 
+def test_a_resume_refuses_another_deepspeed_config_by_what_it_holds_not_by_its_name(tmp_path):
+    from ulysses_lc.parallel.ds_config import load_deepspeed_config
+    from ulysses_lc.train import TrainConfig, parse_args
+    from ulysses_lc.train.resume import resolve
+    from ulysses_lc.train.run_state import write_run_file
+
+    mine = tmp_path / "ds.json"
+    mine.write_text(json.dumps(load_deepspeed_config("zero3")))
+    for name in ("zero3", str(mine)):
+        run = tmp_path / Path(name).stem
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "latest").write_text("step2")
+        write_run_file(run, TrainConfig(model="tiny", data="tiny", seq_len=256, ds_config=name), 1, 1)
+    resume = ["--resume", "--output-dir"]
+    # The same settings under another name (the shipped file copied, or a path to it): no change.
+    cfg, changed = resolve(parse_args([*resume, str(tmp_path / "zero3"), "--ds-config", str(mine)]), tmp_path / "zero3")
+    assert cfg.ds_config == str(mine) and changed == {}
+    # Another shipped config: refused, naming what differs.
+    with pytest.raises(ValueError, match=r"was trained with another DeepSpeed config than --ds-config "
+                                         r"zero3_offload_optimizer holds now \(optimizer: absent -> \{'type': "
+                                         r"'AdamW'.*; zero_optimization\.offload_optimizer: absent -> \{'device'"):
+        resolve(parse_args([*resume, str(tmp_path / "zero3"), "--ds-config", "zero3_offload_optimizer"]),
+                tmp_path / "zero3")
+    # The run's own file edited since it started, the flag not repeated: refused too (the name alone would pass).
+    mine.write_text(json.dumps({**load_deepspeed_config("zero3"), "gradient_clipping": 0.5}))
+    with pytest.raises(ValueError, match=r"\(gradient_clipping: 1\.0 -> 0\.5\); put the saved settings back "
+                                         r"\(run\.json's ds_config_settings holds them\) or use another --output-dir "
+                                         r"\(the DeepSpeed config cannot change on a resume: the optimizer state"):
+        resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
+
+
 # -- verified checkpoints (issue 30) --------------------------------------------------------------------------
 
 def _damaged_worker(rank, world_size, tmp):
@@ -173,6 +204,8 @@ def _damaged_worker(rank, world_size, tmp):
         result["full"] = train_worker(rank, world_size, cfg)
         step4 = Path("run/checkpoints/step4")
         result["manifest"] = json.loads((step4 / "manifest.json").read_text())["files"]
+        if rank == 0:  # copies for resumes on one rank (the test's next body), damaged otherwise
+            _damaged_copies(Path("run"))
         for case in ("truncated", "zeroed"):
             lines.clear()
             if rank == 0:
@@ -186,6 +219,51 @@ def _damaged_worker(rank, world_size, tmp):
                         f.write(bytes(4096))
             dist.barrier()
             result[case] = train_worker(rank, world_size, replace(cfg, resume=True))
+            result[f"{case}_lines"] = list(lines)
+    finally:
+        log.removeHandler(handler)
+    return result
+
+
+def _damaged_copies(run: Path) -> None:
+    import shutil
+
+    def cut(path):
+        os.truncate(path, path.stat().st_size // 2)
+
+    for case in ("zeroed", "manifest", "none"):
+        shutil.copytree(run, case)
+    (optim4,) = Path("zeroed/checkpoints/step4").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(optim4, "r+b") as f:  # as in the 2-rank case: the same size, read by torch.load without a word
+        f.seek(optim4.stat().st_size // 2)
+        f.write(bytes(4096))
+    cut(Path("manifest/checkpoints/step4/manifest.json"))  # a copy cut short at its last file
+    Path("none/checkpoints/step4/manifest.json").unlink()  # left out of a copy; and step 2 cut short too
+    cut(next(Path("none/checkpoints/step2").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")))
+
+
+def _resharded_resume_worker(rank, world_size, tmp):
+    import logging
+
+    from tests.test_training import train_worker
+    from ulysses_lc.train import TrainConfig
+
+    os.chdir(tmp)
+    lines, result = [], {}
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("ulysses_lc.train")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        for case in ("zeroed", "manifest", "none"):
+            lines.clear()
+            cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=2,
+                              keep_checkpoints=0, cache_dir="cache", export=False, output_dir=case, resume=True)
+            try:
+                result[case] = train_worker(rank, world_size, cfg)
+            except ValueError as e:
+                result[case] = str(e)
             result[f"{case}_lines"] = list(lines)
     finally:
         log.removeHandler(handler)
@@ -208,8 +286,28 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_resumes(tmp_path)
         assert "resuming from step2, the newest checkpoint whose files check against its manifest; step4 is " \
                "damaged:" in text, text
         assert re.search(fragment, text), text
+        assert "resumed step 2 on the layout that saved it" in text, text  # the step loaded, not the damaged one's
         # From step 2, steps 3 and 4 again: the uninterrupted run's (and step 4 saved anew).
         np.testing.assert_allclose(losses_of(result[case]), losses_of(result["full"])[2:], rtol=1e-6)
+    # Saved on 2 ranks, resumed on 1 (the ZeRO-3 state resharded from every old rank's files): a damaged file or
+    # manifest passes the checkpoint over, as on the layout that saved it; with none that checks, the resume refuses.
+    resharded = run_shared(_resharded_resume_worker, 1, str(tmp_path), kind="deepspeed")[0]
+    for case, fragment in [("zeroed", r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: CRC-32 [0-9a-f]{8}, the manifest "
+                                      r"says [0-9a-f]{8}"),
+                           ("manifest", r"step4/manifest\.json: cannot be read \(JSONDecodeError: .*; cut short or "
+                                        r"overwritten\)")]:
+        text = "\n".join(resharded[f"{case}_lines"])
+        assert "resuming from step2, the newest checkpoint whose files check against its manifest; step4 is " \
+               "damaged:" in text and re.search(fragment, text), text
+        assert "resumed step 2 saved on 2 ranks (sp 2 x dp 1) on 1 rank (sp 1 x dp 1): ZeRO-3 state resharded" in text
+        # Within float32 reduction order (tests/test_reshard.py measured 9.6e-8 on 1 rank).
+        np.testing.assert_allclose(losses_of(resharded[case]), losses_of(result["full"])[2:], rtol=1e-6)
+    refusal = resharded["none"]
+    assert isinstance(refusal, str) and refusal.startswith("--resume: no checkpoint in none/checkpoints checks "
+                                                           "against its manifest"), refusal
+    assert re.search(r"step4: \S*step4/manifest\.json: missing, while the older step2 has one .*; step2: \S*"
+                     r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: [\d,]+ bytes, the manifest says [\d,]+ \(cut short",
+                     refusal), refusal
 
 
 # -- clear I/O errors (issue 30) -------------------------------------------------------------------------------
@@ -422,6 +520,41 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
     reference, resumed = run_shared(_reference_and_resume, 2, str(tmp_path), step + 2, kind="deepspeed")[0]
     np.testing.assert_allclose(logged[:step], losses_of(reference)[:step], rtol=1e-6)
     np.testing.assert_allclose(losses_of(resumed), losses_of(reference)[step:], rtol=1e-6)
+
+
+def _one_rank_signalled_worker(rank, world_size, tmp):
+    import signal
+
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.stop import Stopped
+
+    os.chdir(tmp)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=50, lr=3e-3, lr_schedule="constant", save_every=0,
+                      export=False, cache_dir="cache", output_dir="run")
+
+    def on_step(step, record):
+        if rank == 1 and step == 2:  # a signal to rank 1 alone (kill <pid>, a node's own OOM guard, a job step)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        train(cfg, on_step=on_step)
+    except Stopped as e:
+        return str(e), e.code
+    return None
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Rank 0, never signalled, learns of rank 1's stop at the step boundary (one all-reduce) and saves with it; without
+    that agreement rank 1 would save alone while rank 0 trains on, and the job would hang in mismatched collectives."""
+    from tests._dist import run_shared
+
+    stops = run_shared(_one_rank_signalled_worker, 2, str(tmp_path), kind="deepspeed", timeout=240)
+    assert stops[0] is not None and stops[0] == stops[1], stops  # one step, one message, on both ranks
+    message, code = stops[0]
+    step = int((tmp_path / "run" / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert code == 143 and message.startswith(f"stopped at step {step} of 50 by SIGTERM (from the scheduler") and \
+        message.split("; checkpoint")[0].endswith("(rank 1)"), message
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*")) == [f"step{step}"]  # the stop's
 
 
 def _one_process_run():

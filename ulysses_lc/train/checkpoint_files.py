@@ -8,7 +8,9 @@
 
 The manifest is written last, after every rank's files and before `latest` moves (run_state.save_checkpoint), so a
 tag with a manifest is complete; on --resume each rank checks its own files (in parallel) and the ranks take the
-newest checkpoint whose files all check (`newest_verified`), saying which they passed over and why.
+newest checkpoint whose files all check (`choose_checkpoint`), saying which they passed over and why. A manifest
+that cannot be read, or is missing where an older tag has one, makes its tag damaged; a tag older than any manifest
+was saved before checkpoints had them, and is read unchecked.
 
 The checksum: CRC-32 (zlib: 2.1 GB/s on one core of the 2-core CI machine, twice blake2b's and sha1's 1.0-1.1), taken
 on the bytes as torch.save hands them to the file, so a save reads nothing back; each rank sums only its own shards
@@ -147,15 +149,30 @@ def write_manifest(tag_dir: Path, every: list[dict]) -> None:
 
 
 def read_manifest(tag_dir: Path) -> dict | None:
-    """The tag's {file: {rank, bytes, crc32}}, or None for a tag saved before checkpoints had manifests."""
+    """The tag's {file: {rank, bytes, crc32}}, or None for a tag saved before checkpoints had manifests. ValueError
+    naming the manifest where it cannot be read, or is missing from a tag newer than one that has one."""
     path = tag_dir / MANIFEST
-    return json.loads(path.read_text())["files"] if path.is_file() else None
+    if not path.is_file():
+        step = tag_dir.name.removeprefix("step")
+        older = [s for s in _steps(tag_dir.parent) if step.isdigit() and s < int(step)
+                 and (tag_dir.parent / f"step{s}" / MANIFEST).is_file()]
+        if older:
+            raise ValueError(f"{path}: missing, while the older step{older[-1]} has one (deleted, or left out of a "
+                             "copy): its files cannot be checked")
+        return None
+    try:
+        return json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e}; cut short or overwritten)") from None
 
 
 def verify(tag_dir: Path, names=None) -> list[str]:
     """What is wrong with `names` of the tag (default: every file its manifest lists), one line each: the file,
     what the manifest expects and what is there. [] when all check, or when the tag has no manifest."""
-    manifest = read_manifest(tag_dir)
+    try:
+        manifest = read_manifest(tag_dir)
+    except ValueError as e:
+        return [str(e)]
     if manifest is None:
         return []
     problems = []
@@ -179,7 +196,10 @@ def verify(tag_dir: Path, names=None) -> list[str]:
 
 def own_files(tag_dir: Path, rank: int) -> list[str] | None:
     """The files of `rank` the tag's manifest lists (None: no manifest)."""
-    manifest = read_manifest(tag_dir)
+    try:
+        manifest = read_manifest(tag_dir)
+    except ValueError:
+        return []  # verify says what is wrong with it
     return None if manifest is None else [n for n, e in manifest.items() if e["rank"] == rank]
 
 
@@ -203,14 +223,17 @@ def choose_checkpoint(ckpt_dir: Path, latest: str, layout, *, every_file: bool =
                 break
         tag_dir = ckpt_dir / tag
         if every_file:
-            manifest = read_manifest(tag_dir)
+            try:
+                manifest = read_manifest(tag_dir)
+            except ValueError:
+                manifest = {}  # verify says what is wrong with it
             names = None if manifest is None else sorted(manifest)[layout.rank::layout.world_size]
         else:
             names = own_files(tag_dir, layout.rank)
         problems = verify(tag_dir, names) if names is not None else []
         every = [None] * layout.world_size
         dist.all_gather_object(every, problems, group=layout.world_group)
-        bad = [p for ps in every for p in ps]
+        bad = list(dict.fromkeys(p for ps in every for p in ps))  # a manifest's own damage: once, not once a rank
         if not bad:
             lines = [note] if note else []
             if passed:

@@ -199,8 +199,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         start_step = load_checkpoint(engine, out, stream, layout, schedule=schedule)
         extended = schedule.extend(start_step, steps)
         _apply_lr(scheduler, schedule, optim)  # a new --lr or --weight-decay; the checkpoint's lr otherwise, as saved
+        loaded = {**checked.saved, "step": start_step, "position": stream.position}  # an older one where it is damaged
         if rank0:
-            for line in [resume_line(checked.saved, world, sp_size, global_batch), *change_lines(run.changed),
+            for line in [resume_line(loaded, world, sp_size, global_batch), *change_lines(run.changed),
                          *([extended] if extended else [])]:
                 logger.info(line)
         if run_files.writes:

@@ -19,8 +19,9 @@ import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
+from ..parallel.ds_config import load_deepspeed_config
 from .config import TrainConfig
-from .run_state import RUN_FILE
+from .run_state import RUN_FILE, SETTINGS
 
 # What the checkpoint's state depends on: a change is refused, with why.
 _DATA = "the data position counts windows of this data and its tokenization"
@@ -84,8 +85,20 @@ def resolve(cfg: TrainConfig, out: Path | None) -> tuple[TrainConfig, dict]:
 
 
 def check_kept(cfg: TrainConfig, saved: dict, out: Path) -> None:
-    """ValueError naming the first KEPT setting of `cfg` that differs from the saved run's."""
+    """ValueError naming the first KEPT setting of `cfg` that differs from the saved run's. The DeepSpeed config is
+    compared by what it holds (run.json keeps it), not by its name: the same file moved is no change, a file
+    edited since the run started is one."""
     before_lora = {"lora_r": 0, "lora_targets": "all"}  # a run.json written before the LoRA flags
+    if SETTINGS in saved:
+        now = load_deepspeed_config(cfg.ds_config)
+        if now != saved[SETTINGS]:
+            shown = "; ".join(_differences(saved[SETTINGS], now)[:4])
+            raise ValueError(
+                f"--resume: the checkpoint in {out} was trained with another DeepSpeed config than --ds-config "
+                f"{cfg.ds_config} holds now ({shown}); put the saved settings back (run.json's {SETTINGS} holds "
+                f"them) or use another --output-dir (the DeepSpeed config cannot change on a resume: "
+                f"{KEPT['ds_config']}).")
+        saved = {**saved, "ds_config": cfg.ds_config}
     for field, why in KEPT.items():
         was = saved.get(field, before_lora.get(field, getattr(cfg, field)))
         if was != getattr(cfg, field):
@@ -93,6 +106,22 @@ def check_kept(cfg: TrainConfig, saved: dict, out: Path) -> None:
                 f"--resume: the checkpoint in {out} was trained with {field}={was!r}, not {getattr(cfg, field)!r}; "
                 f"resume with the same settings or use another --output-dir ({_flag(field)} cannot change on a "
                 f"resume: {why}).")
+
+
+def _differences(was, now, key: str = "") -> list[str]:
+    """The settings two configs differ in, as 'a.b: was -> now' (absent where one lacks the key)."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(was) | set(now), key=str)
+                for d in _differences(was.get(k, _ABSENT), now.get(k, _ABSENT), f"{key}.{k}" if key else k)]
+    return [] if was == now else [f"{key}: {was!r} -> {now!r}"]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
 
 
 def change_lines(changed: dict) -> list[str]:
@@ -109,8 +138,8 @@ def record_resume(out: Path, cfg: TrainConfig, step: int, changed: dict, sp_size
     saved = saved_settings(out) or {}
     entry = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sp_size": sp_size, "world_size": world_size,
              "changed": {f: [was, now] for f, (was, now) in changed.items()}}
-    record = {**asdict(cfg), "sp_size": sp_size, "world_size": world_size,
-              "resumes": [*saved.get("resumes", []), entry]}
+    record = {**asdict(cfg), SETTINGS: load_deepspeed_config(cfg.ds_config), "sp_size": sp_size,
+              "world_size": world_size, "resumes": [*saved.get("resumes", []), entry]}
     tmp = out / ".run.json.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(out / RUN_FILE)  # a crash leaves the old record or the new one, never half

@@ -27,12 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..parallel.ds_config import load_deepspeed_config
 from ..parallel.zero_reshard import load_resharded, model_states_name, read_model_states
 from .checkpoint_files import (SaveFailed, choose_checkpoint, recording_files, save_failure, state_bytes, verify,
                                write_manifest)
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
+SETTINGS = "ds_config_settings"  # run.json's copy of what --ds-config held (resume.check_kept compares it)
 RUNS_DIR = Path("runs")
 LATEST = "latest"  # DeepSpeed's name for the file holding the newest complete tag
 
@@ -96,7 +98,9 @@ def write_run_file(out: Path, flags, sp_size: int, world_size: int) -> None:
     """Record what this run trains (flags: the TrainConfig as resolved, settings.RunSettings.flags), checked by a
     later --resume. One rank per folder (files.folder_owner)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / RUN_FILE).write_text(json.dumps({**asdict(flags), "sp_size": sp_size, "world_size": world_size}, indent=2))
+    settings = load_deepspeed_config(flags.ds_config)
+    (out / RUN_FILE).write_text(json.dumps({**asdict(flags), SETTINGS: settings, "sp_size": sp_size,
+                                            "world_size": world_size}, indent=2))
 
 
 def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes: bool | None = None,
