@@ -115,6 +115,7 @@ def test_pairs_that_cannot_train_and_misplaced_flags_are_refused(tmp_path):
     from ulysses_lc.data import parse_source
     from ulysses_lc.data.pairs import read_pairs
     from ulysses_lc.train.preference_step import check_pair_source
+    from ulysses_lc.train.settings import RunSettings
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "Say hi.", "chosen": "", "rejected": "No."}) + "\n")
@@ -132,7 +133,7 @@ def test_pairs_that_cannot_train_and_misplaced_flags_are_refused(tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("plain prose")
     with pytest.raises(ValueError, match="preference rows"):
-        check_pair_source(dpo_config(tmp_path, data=str(text)))
+        check_pair_source(RunSettings(dpo_config(tmp_path, data=str(text))).stream)
 
 
 def test_dry_run_counts_the_reference_copy_or_its_absence():
