@@ -224,12 +224,14 @@ def _damaged_worker(rank, world_size, tmp):
     return result
 
 
+def _cut(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
 def _damaged_copies(run: Path) -> None:
     import shutil
 
-    def cut(path):
-        os.truncate(path, path.stat().st_size // 2)
-
+    cut = _cut
     for case in ("zeroed", "manifest", "none"):
         shutil.copytree(run, case)
     (optim4,) = Path("zeroed/checkpoints/step4").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -243,6 +245,7 @@ def _damaged_copies(run: Path) -> None:
 
 def _resharded_resume_worker(rank, world_size, tmp):
     import logging
+    from dataclasses import replace
 
     from tests.test_training import train_worker
     from ulysses_lc.train import TrainConfig
@@ -264,6 +267,19 @@ def _resharded_resume_worker(rank, world_size, tmp):
             except ValueError as e:
                 result[case] = str(e)
             result[f"{case}_lines"] = list(lines)
+        # "zeroed" now holds step 2 of 2 ranks and step 4 of this rank, saved anew: none of the 2-rank step 4's files
+        # is left beside its own. Step 4 damaged too, the next is of 2 ranks, which the engine built for step 4's
+        # layout cannot load; the refusal says how to reshard it.
+        step4 = Path("zeroed/checkpoints/step4")
+        result["resaved"] = sorted(p.name for p in step4.iterdir() if "rank_1" in p.name or p.is_dir())
+        _cut(next(step4.glob("*optim_states.pt")))
+        cfg = replace(cfg, output_dir="zeroed")
+        try:
+            result["mixed"] = train_worker(rank, world_size, cfg)
+        except ValueError as e:
+            result["mixed"] = str(e)
+        Path("zeroed/checkpoints/latest").write_text("step2")  # as the refusal says
+        result["mixed_resumed"] = train_worker(rank, world_size, cfg)
     finally:
         log.removeHandler(handler)
     return result
@@ -307,6 +323,12 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_resumes(tmp_path)
     assert re.search(r"step4: \S*step4/manifest\.json: missing, while the older step2 has one .*; step2: \S*"
                      r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: [\d,]+ bytes, the manifest says [\d,]+ \(cut short",
                      refusal), refusal
+    assert resharded["resaved"] == [], resharded["resaved"]
+    assert resharded["mixed"] == ("--resume: the newest checkpoint that checks, step2, was saved on 2 ranks, not "
+                                  "the 1 that step4 was (the lines above say what is wrong with step4); point `latest` "
+                                  "at it (echo step2 > zeroed/checkpoints/latest) and resume again, which reshards it, "
+                                  "or resume on 2 ranks."), resharded["mixed"]
+    np.testing.assert_allclose(losses_of(resharded["mixed_resumed"]), losses_of(result["full"])[2:], rtol=1e-6)
 
 
 # -- clear I/O errors (issue 30) -------------------------------------------------------------------------------
