@@ -578,6 +578,41 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*")) == [f"step{step}"]  # the stop's
 
 
+def test_a_stop_under_way_outlives_the_loss_of_the_store(monkeypatch):
+    """torchrun's agent killed (SIGKILL: an OOM kill, a node agent's restart) takes the job's store with it. Its ranks
+    see their launcher gone and stop at the step boundary with a checkpoint, which needs no store; the store's loss
+    must not end them first (after SETTLE_S, 6 s, shorter than a large model's step), only the grace period."""
+    import ulysses_lc.train.job_watch as job_watch
+    from ulysses_lc.train.job_table import RankTable
+
+    class Ended(Exception):
+        pass
+
+    class GoneStore:
+        def __getattr__(self, name):
+            raise RuntimeError("Connection reset by peer")  # as a TCPStore whose host ended
+
+    now = [1000.0]
+    monkeypatch.setattr(job_watch.time, "monotonic", lambda: now[0])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    watch = job_watch.JobWatch(RankTable(("a", "a"), (0, 0), (os.getpid(), os.getpid()), 0), GoneStore(), "t/",
+                               node_timeout_s=60, stop_grace_s=25)
+    watch._launchers = [2**31 - 1]  # no such process: the agent has ended
+
+    def end(report, *, speak, code=1):
+        raise Ended(report.message)
+
+    watch._end = end
+    watch._poll()  # sees the agent gone: a stop, for the step boundary; and the store gone
+    assert watch.stop_request.reason.startswith("its launcher (pid 2147483647) ended") and watch._store_lost_at == 1000
+    now[0] += job_watch.SETTLE_S + 4
+    watch._poll()  # the stop is under way: the store's loss ends nothing
+    now[0] += 25 - job_watch.SETTLE_S
+    with pytest.raises(Ended, match=r"^stopped by its launcher \(pid 2147483647\) ended, but the step and its "
+                                    r"checkpoint did not end within --stop-grace-s 25"):
+        watch._poll()
+
+
 def _one_process_run():
     """A job of one process started by plain `python` (no launcher, no peers): Ctrl-C stops it at a step with a
     checkpoint and hands the signals back; a resume whose stop's save hangs (a stuck file system) ends past the grace
