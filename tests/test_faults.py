@@ -121,6 +121,7 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
 def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path):
     from ulysses_lc.train import parse_args
     from ulysses_lc.train.preflight import CheckFailed, preflight
+    from ulysses_lc.train.settings import RunSettings
     from ulysses_lc.train.resume import _classified
 
     _classified()  # every TrainConfig field has a rule on resume
@@ -140,7 +141,7 @@ def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path
     for flags, fragment in [(["--lora-r", "0"], "lora_r=4, not 0"), (["--seq-len", "1024"], "seq_len=512, not 1024"),
                             (["--warmup-steps", "3"], "change --lr or --steps instead")]:
         with pytest.raises(CheckFailed, match=re.escape(fragment)):
-            preflight(parse_args([*resume, *flags]), 1)
+            preflight(RunSettings(parse_args([*resume, *flags])), 1)
     with pytest.raises(ValueError, match=r"--lora-r 0: give the adapters' rank, >= 1"):
         parse_args(["--lora-r", "0"]).check()
     with pytest.raises(ValueError, match=r"^--export-merged only applies to LoRA adapters; add --lora-r"):
@@ -224,12 +225,14 @@ def _damaged_worker(rank, world_size, tmp):
     return result
 
 
+def _cut(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
 def _damaged_copies(run: Path) -> None:
     import shutil
 
-    def cut(path):
-        os.truncate(path, path.stat().st_size // 2)
-
+    cut = _cut
     for case in ("zeroed", "manifest", "none"):
         shutil.copytree(run, case)
     (optim4,) = Path("zeroed/checkpoints/step4").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -243,6 +246,7 @@ def _damaged_copies(run: Path) -> None:
 
 def _resharded_resume_worker(rank, world_size, tmp):
     import logging
+    from dataclasses import replace
 
     from tests.test_training import train_worker
     from ulysses_lc.train import TrainConfig
@@ -264,6 +268,19 @@ def _resharded_resume_worker(rank, world_size, tmp):
             except ValueError as e:
                 result[case] = str(e)
             result[f"{case}_lines"] = list(lines)
+        # "zeroed" now holds step 2 of 2 ranks and step 4 of this rank, saved anew: none of the 2-rank step 4's files
+        # is left beside its own. Step 4 damaged too, the next is of 2 ranks, which the engine built for step 4's
+        # layout cannot load; the refusal says how to reshard it.
+        step4 = Path("zeroed/checkpoints/step4")
+        result["resaved"] = sorted(p.name for p in step4.iterdir() if "rank_1" in p.name or p.is_dir())
+        _cut(next(step4.glob("*optim_states.pt")))
+        cfg = replace(cfg, output_dir="zeroed")
+        try:
+            result["mixed"] = train_worker(rank, world_size, cfg)
+        except ValueError as e:
+            result["mixed"] = str(e)
+        Path("zeroed/checkpoints/latest").write_text("step2")  # as the refusal says
+        result["mixed_resumed"] = train_worker(rank, world_size, cfg)
     finally:
         log.removeHandler(handler)
     return result
@@ -307,6 +324,12 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_good_one_resumes(tmp_path)
     assert re.search(r"step4: \S*step4/manifest\.json: missing, while the older step2 has one .*; step2: \S*"
                      r"zero_pp_rank_1_mp_rank_00_optim_states\.pt: [\d,]+ bytes, the manifest says [\d,]+ \(cut short",
                      refusal), refusal
+    assert resharded["resaved"] == [], resharded["resaved"]
+    assert resharded["mixed"] == ("--resume: the newest checkpoint that checks, step2, was saved on 2 ranks, not "
+                                  "the 1 that step4 was (the lines above say what is wrong with step4); point `latest` "
+                                  "at it (echo step2 > zeroed/checkpoints/latest) and resume again, which reshards it, "
+                                  "or resume on 2 ranks."), resharded["mixed"]
+    np.testing.assert_allclose(losses_of(resharded["mixed_resumed"]), losses_of(result["full"])[2:], rtol=1e-6)
 
 
 # -- clear I/O errors (issue 30) -------------------------------------------------------------------------------
@@ -554,6 +577,41 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert code == 143 and message.startswith(f"stopped at step {step} of 50 by SIGTERM (from the scheduler") and \
         message.split("; checkpoint")[0].endswith("(rank 1)"), message
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*")) == [f"step{step}"]  # the stop's
+
+
+def test_a_stop_under_way_outlives_the_loss_of_the_store(monkeypatch):
+    """torchrun's agent killed (SIGKILL: an OOM kill, a node agent's restart) takes the job's store with it. Its ranks
+    see their launcher gone and stop at the step boundary with a checkpoint, which needs no store; the store's loss
+    must not end them first (after SETTLE_S, 6 s, shorter than a large model's step), only the grace period."""
+    import ulysses_lc.train.job_watch as job_watch
+    from ulysses_lc.train.job_table import RankTable
+
+    class Ended(Exception):
+        pass
+
+    class GoneStore:
+        def __getattr__(self, name):
+            raise RuntimeError("Connection reset by peer")  # as a TCPStore whose host ended
+
+    now = [1000.0]
+    monkeypatch.setattr(job_watch.time, "monotonic", lambda: now[0])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    watch = job_watch.JobWatch(RankTable(("a", "a"), (0, 0), (os.getpid(), os.getpid()), 0), GoneStore(), "t/",
+                               node_timeout_s=60, stop_grace_s=25)
+    watch._launchers = [2**31 - 1]  # no such process: the agent has ended
+
+    def end(report, *, speak, code=1):
+        raise Ended(report.message)
+
+    watch._end = end
+    watch._poll()  # sees the agent gone: a stop, for the step boundary; and the store gone
+    assert watch.stop_request.reason.startswith("its launcher (pid 2147483647) ended") and watch._store_lost_at == 1000
+    now[0] += job_watch.SETTLE_S + 4
+    watch._poll()  # the stop is under way: the store's loss ends nothing
+    now[0] += 25 - job_watch.SETTLE_S
+    with pytest.raises(Ended, match=r"^stopped by its launcher \(pid 2147483647\) ended, but the step and its "
+                                    r"checkpoint did not end within --stop-grace-s 25"):
+        watch._poll()
 
 
 def _one_process_run():

@@ -132,8 +132,7 @@ class JobWatch:
 
     def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float, stop_grace_s: float = 25.0):
         self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
-        self.stop_request = StopRequest(stop_grace_s, announce=table.rank == 0)  # what the loop is asked (stop.py)
-        self._launchers = []
+        self.stop_request, self._launchers = StopRequest(stop_grace_s, announce=table.rank == 0), []  # stop.py
         self.leader = table.rank == min(table.on_node(table.node))
         self._halt = threading.Event()
         self._clean = False  # stopped at the normal end of the run: nothing may end the process from the thread
@@ -184,9 +183,9 @@ class JobWatch:
 
     def _poll(self) -> None:
         """One round of checks; ends the process when one finds a failure, or a stop asked is overdue."""
-        ended = [pid for pid in self._launchers if not alive(pid)]
+        ended = [pid for pid in self._launchers or [] if not alive(pid)]
         if ended:  # the ranks never outlive their launcher
-            self._launchers = []
+            self._launchers = None  # ended
             self.stop_request.request(f"its launcher (pid {ended[0]}) ended", 1)
         if self.stop_request.overdue():  # published, so that other nodes' ranks, maybe waiting on this one, end too
             first = self._publish(self._report(self.table.rank, self.stop_request.overdue_line()))
@@ -232,7 +231,8 @@ class JobWatch:
             self._end(report, speak=False)  # its reporter should have ended this node by now
 
     def _after_store_lost(self) -> None:
-        if self._store_lost_at is None or time.monotonic() - self._store_lost_at < SETTLE_S:
+        if self._store_lost_at is None or time.monotonic() - self._store_lost_at < SETTLE_S or \
+                self._launchers is None:  # the launcher ended (torchrun's: with the store); the stop needs neither
             return
         if self._own_node_report is not None:  # printed by its reporter; the launcher has not ended this rank
             self._end(self._own_node_report[0], speak=False)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..parallel.ds_config import load_deepspeed_config
-from ..parallel.zero_reshard import load_resharded, model_states_name, read_model_states
+from ..parallel.zero_reshard import load_resharded, model_states_name, read_model_states, saved_partitions
 from .checkpoint_files import (SaveFailed, choose_checkpoint, recording_files, save_failure, state_bytes, verify,
                                write_manifest)
 
@@ -81,24 +81,25 @@ def find_latest_run(model: str) -> Path:
     return max(runs, key=lambda p: (p / CHECKPOINT_DIR / LATEST).stat().st_mtime)
 
 
-def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
+def check_output_dir(out: Path, resume: bool) -> Path:
     """Refuse to overwrite another run's checkpoints; on --resume, require one (resume.check_kept: the same run)."""
     has_ckpt = (out / CHECKPOINT_DIR / LATEST).exists()
-    if has_ckpt and not cfg.resume:
+    if has_ckpt and not resume:
         raise ValueError(
             f"{out} already holds a checkpoint of a run; pass --resume to continue it, or choose another "
             "--output-dir (nothing is overwritten)."
         )
-    if cfg.resume and not has_ckpt:
+    if resume and not has_ckpt:
         raise ValueError(f"--resume: {out} holds no checkpoint to resume from; drop --resume to start a new run.")
     return out
 
 
-def write_run_file(out: Path, cfg, sp_size: int, world_size: int) -> None:
-    """Record what this run trains (checked by a later --resume). One rank per folder (files.folder_owner)."""
+def write_run_file(out: Path, flags, sp_size: int, world_size: int) -> None:
+    """Record what this run trains (flags: the TrainConfig as resolved, settings.RunSettings.flags), checked by a
+    later --resume. One rank per folder (files.folder_owner)."""
     out.mkdir(parents=True, exist_ok=True)
-    settings = load_deepspeed_config(cfg.ds_config)
-    (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), SETTINGS: settings, "sp_size": sp_size,
+    settings = load_deepspeed_config(flags.ds_config)
+    (out / RUN_FILE).write_text(json.dumps({**asdict(flags), SETTINGS: settings, "sp_size": sp_size,
                                             "world_size": world_size}, indent=2))
 
 
@@ -119,6 +120,12 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
     # A LoRA run's frozen base weights are not saved (every checkpoint would hold the whole model again): --resume
     # loads them from --model, as the run did, and the checkpoint restores the adapters and their optimizer state.
     frozen = any(not p.requires_grad for p in engine.module.parameters())
+    owner = torch.distributed.get_rank() == 0 if writes is None else writes
+    if owner and (ckpt_dir / f"step{step}").exists():
+        # A step saved again (a resume from an older checkpoint): the earlier save goes first, so that none of its
+        # files (another layout's ranks) nor its resharded copy (zero_reshard's universal/) outlives it beside these.
+        shutil.rmtree(ckpt_dir / f"step{step}")
+    torch.distributed.barrier()
     failed = []
     with recording_files(engine, failed) as written:  # each file's size and CRC-32, summed as it is written
         engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", save_latest=False, exclude_frozen_parameters=frozen,
@@ -137,7 +144,7 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
         raise SaveFailed(failure + (f" (rank {rank}" + (f" and {len(failures) - 1} more" if len(failures) > 1 else "")
                                     + ")" if world > 1 else ""))
     every = [w for w, _ in every]
-    if torch.distributed.get_rank() == 0 if writes is None else writes:
+    if owner:
         write_manifest(ckpt_dir / f"step{step}", every)  # last in the tag, before `latest` names it
         tmp = ckpt_dir / f".{LATEST}.tmp"
         tmp.write_text(f"step{step}")
@@ -180,6 +187,13 @@ def load_checkpoint(engine, out: Path, stream, layout=None, schedule=None) -> in
             tag, lines = choose_checkpoint(ckpt_dir, latest, layout)
             if lines and layout.rank == 0:
                 logger.info("\n".join(lines))
+            if tag != latest and (saved := saved_partitions(ckpt_dir / tag)) != layout.world_size:
+                # The engine was built for `latest`'s layout; DeepSpeed would only say it cannot repartition.
+                raise ValueError(
+                    f"--resume: the newest checkpoint that checks, {tag}, was saved on {saved} ranks, not the "
+                    f"{layout.world_size} that {latest} was (the lines above say what is wrong with {latest}); point "
+                    f"`latest` at it (echo {tag} > {ckpt_dir / LATEST}) and resume again, which reshards it, or "
+                    f"resume on {saved} ranks.")
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=not frozen)
     if client is None:
         raise ValueError(f"--resume: the checkpoint {ckpt_dir} names cannot be read; pass another --output-dir.")
