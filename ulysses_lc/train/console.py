@@ -7,6 +7,7 @@ import sys
 import warnings
 
 from ..mixers import fallbacks
+from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
 from ..plan.sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
 from ..levers.yarn import describe_rope_scaling
@@ -76,9 +77,6 @@ def _plan_reason(plan_settings, device: str, estimate, differs: str | None = Non
     else:
         why = "the fastest plan that fits the limits below (memory.plan_memory), the dry run's for them"
     return why + (f", with {', '.join(flags)} as given" if flags else "")
-
-
-DELTANET_RULE = "fla where fla-core is installed and its backward runs on the GPU, else the torch path"
 
 
 def layers_line(model_config, kernel: str, deltanet: str) -> str:
@@ -154,7 +152,10 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
     if estimate.fit is not None:
         lines.append(f"limits    {limits_line}: {estimate.fit.verdict()}")
     if device == "gpu":
+        # The gated DeltaNet layers' path priced: the dry run's by DELTANET_RULE (it cannot probe a GPU it lacks).
+        deltanet_line = estimate.job.deltanet_line() if estimate.job is not None else None
         lines.append(f"step      {estimate.step_s:,.1f} s predicted (model FLOPs at an H200's measured rates: attention "
                      f"{ATTENTION_FLOPS_PER_S / 1e12:.0f}, matmul {MATMUL_FLOPS_PER_S / 1e12:.0f} TF/s"
-                     + ("; packed documents take less" if run.stream.shape.packing else "") + ")")
+                     + ("; packed documents take less" if run.stream.shape.packing else "")
+                     + (f"; {deltanet_line}" if deltanet_line else "") + ")")
     return "\n".join(["ulysses_lc " + ("dry run" if run.dry_run else "run")] + ["  " + line for line in lines])
