@@ -76,7 +76,16 @@ class StepTerms:
     cached: its kept attention output and log-sum-exp (exact; 0 where none are kept); backward: the first plain
     layer's backward beyond what it stored; recompute: one checkpointed layer recomputed and back-propagated;
     loss: the loss head's gradients, held from forward to backward; loss_chunk: one chunk's logits while the loss
-    runs; offload: checkpointed inputs may go to the host."""
+    runs; offload: checkpointed inputs may go to the host.
+
+    A hybrid's layers are priced by their type (linear_layers: per layer, whether it is a gated DeltaNet): a plain
+    DeltaNet layer stores `recurrence` beyond `plain`, and `cached` is one full-attention layer's output, which a
+    DeltaNet layer does not keep. Which layers a plan's counts name (levers/checkpointing.py): the first
+    recompute_layers are checkpointed, the rest plain; of the checkpointed, the last keep_on_gpu keep their input
+    on the device and the last cache_attention_layers their attention output. On the Qwen3.5 pattern [3 DeltaNet,
+    1 full] x 2 the plan 6 / 6 / 6 leaves layers 6 (DeltaNet) and 7 (full) plain and keeps one output (layer 3):
+    priced as the average layer (3/4 of a block each, 6/4 outputs) it was 24.6 GB too high, 1.391 of the peak
+    measured (BENCHMARKS.md "Whole steps of a Qwen3.5 shape", the held-out run)."""
 
     layers: int
     plain: float
@@ -87,32 +96,40 @@ class StepTerms:
     loss: int
     loss_chunk: int
     offload: bool = True
+    linear_layers: tuple = ()
+    recurrence: float = 0
 
     @classmethod
     def fitted(cls, *, layers: int, plain_formula: float, working_formula: float, block: float, kept: int,
                cached: int, attention_output: int, loss: int, loss_chunk: int, sp_size: int, packed: bool,
-               offload: bool, recurrence: float = 0, recurrence_share: float = 0) -> "StepTerms":
+               offload: bool, recurrence: float = 0, linear_layers: tuple = ()) -> "StepTerms":
         """The terms from the levers' formulas (bytes per rank) and the fitted coefficients above.
         block: the attention backward's own block; attention_output: one layer's attention output and log-sum-exp
         (the unit of the SP and packed extras); recurrence: a gated DeltaNet's recurrence block (measured bytes,
-        linear_attention.RECURRENCE_BYTES_PER_HEAD_TOKEN: not scaled by the fits), recurrence_share: its share of
-        a plain layer. A plain DeltaNet layer stores its whole block from its forward and its backward stays within
-        it (Qwen3.5-0.8B shape, every layer plain at 32k on an H200: the backward's peak 1.6 GB under the loss's,
+        linear_attention.RECURRENCE_BYTES_PER_HEAD_TOKEN: not scaled by the fits), linear_layers: per layer, whether
+        it is a gated DeltaNet. A plain DeltaNet layer stores its whole block from its forward and its backward stays
+        within it (Qwen3.5-0.8B shape, every layer plain at 32k on an H200: the backward's peak 1.6 GB under the loss's,
         BENCHMARKS.md "Whole steps of a Qwen3.5 shape"); a recomputed one builds it again."""
-        plain = (PLAIN_FIT * plain_formula + recurrence_share + (SP_PLAIN_FIT * attention_output if sp_size > 1 else 0)
+        plain = (PLAIN_FIT * plain_formula + (SP_PLAIN_FIT * attention_output if sp_size > 1 else 0)
                  + (PACKED_PLAIN_FIT * attention_output if packed else 0))
         return cls(layers=layers, plain=plain, kept=kept, cached=cached,
                    backward=BACKWARD_FIT * plain_formula + block,
                    recompute=RECOMPUTE_FIT * working_formula + max(block, recurrence),
-                   loss=loss, loss_chunk=loss_chunk, offload=offload)
+                   loss=loss, loss_chunk=loss_chunk, offload=offload, linear_layers=tuple(linear_layers),
+                   recurrence=recurrence if any(linear_layers) else 0)
+
+    def _attention_layers(self, first: int, end: int) -> int:
+        """Of layers first .. end - 1, those with an attention output to keep (not gated DeltaNets)."""
+        return max(end - first, 0) - sum(self.linear_layers[first:end])
 
     def device_peak(self, recompute_layers: int, keep_on_gpu: int, cache_attention_layers: int) -> float:
         """Peak device bytes of the step's activations under a plan's three counts (memory.MemoryPlan)."""
         plain_layers = self.layers - recompute_layers
         on_device = keep_on_gpu if self.offload else recompute_layers
-        cached_on_device = min(cache_attention_layers, on_device) if self.cached else 0
+        cache = min(cache_attention_layers, on_device)
+        cached_on_device = self._attention_layers(recompute_layers - cache, recompute_layers) if self.cached else 0
         held = on_device * self.kept + cached_on_device * self.cached
-        stored = plain_layers * self.plain + held
+        stored = plain_layers * self.plain + sum(self.linear_layers[recompute_layers:]) * self.recurrence + held
         peak = stored + self.loss + max(self.loss_chunk, self.backward if plain_layers else 0)
         return max(peak, held + self.loss + self.recompute) if recompute_layers else peak
 
@@ -121,7 +138,8 @@ class StepTerms:
         if not self.offload:
             return 0
         offloaded = recompute_layers - keep_on_gpu
-        cached_offloaded = max(min(cache_attention_layers, recompute_layers) - keep_on_gpu, 0) if self.cached else 0
+        first_cached = recompute_layers - min(cache_attention_layers, recompute_layers)
+        cached_offloaded = self._attention_layers(first_cached, recompute_layers - keep_on_gpu) if self.cached else 0
         return offloaded * _pages(self.kept) + cached_offloaded * _pages(self.cached)
 
 
