@@ -21,5 +21,5 @@ export HF_HUB_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 run() { torchrun --nproc_per_node 1 examples/train_1m.py --model "$model" --data tiny --seq-len "$seq" \
           --output-dir "$out/run" --cache-dir "$out/cache" --lr 1e-5 "$@"; }
 run --steps 3 --save-every 2 --no-export
-run --steps 4 --resume   # step 4 from the step-3 (final) checkpoint, then the HF export
+run --steps 4 --resume --export   # step 4 from the step-3 (final) checkpoint, then the HF export (the saved run said --no-export)
 ls "$out/run/hf_export"

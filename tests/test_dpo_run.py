@@ -115,6 +115,7 @@ def test_pairs_that_cannot_train_and_misplaced_flags_are_refused(tmp_path):
     from ulysses_lc.data import parse_source
     from ulysses_lc.data.pairs import read_pairs
     from ulysses_lc.train.preference_step import check_pair_source
+    from ulysses_lc.train.settings import RunSettings
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "Say hi.", "chosen": "", "rejected": "No."}) + "\n")
@@ -132,7 +133,7 @@ def test_pairs_that_cannot_train_and_misplaced_flags_are_refused(tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("plain prose")
     with pytest.raises(ValueError, match="preference rows"):
-        check_pair_source(dpo_config(tmp_path, data=str(text)))
+        check_pair_source(RunSettings(dpo_config(tmp_path, data=str(text))).stream)
 
 
 def test_dry_run_counts_the_reference_copy_or_its_absence():
@@ -140,24 +141,26 @@ def test_dry_run_counts_the_reference_copy_or_its_absence():
     from ulysses_lc.train import dry_run
     from ulysses_lc.train.estimate import count_params, job_for
     from ulysses_lc.train.preflight import preflight
+    from ulysses_lc.train.settings import RunSettings
 
     base = dict(model="tiny", data="tiny", seq_len=8192, dry_run=True, world_size=2, method="dpo")
     assert "reference a frozen copy, ZeRO-3 partitioned like the policy" in dry_run(TrainConfig(**base))
     assert "adapters off: no second model" in dry_run(TrainConfig(lora_r=4, **base))
     assert "reference precomputed" in dry_run(TrainConfig(dpo_reference="precomputed", **base))
     cfg = TrainConfig(**base)
-    checked = preflight(cfg, 2)
+    checked = preflight(RunSettings(cfg), 2)
     n = count_params(checked.model_config)
     shape = ModelShape.from_config(checked.model_config)
-    sft = job_for(replace(cfg, method="sft"), checked, n).state_bytes()
-    dpo = job_for(cfg, checked, n).state_bytes()
+    sft = job_for(RunSettings(replace(cfg, method="sft")), checked, n).state_bytes()
+    dpo = job_for(RunSettings(cfg), checked, n).state_bytes()
     # The copy's bf16 partition, and the second document's fp32 head-gradient accumulator (the head trains).
     assert dpo[0] - sft[0] == 2 * -(-n // 2) + shape.vocab * shape.hidden * 4 and dpo[1] == sft[1]
-    precomputed = job_for(replace(cfg, dpo_reference="precomputed"), checked, n).state_bytes()
+    precomputed = job_for(RunSettings(replace(cfg, dpo_reference="precomputed")), checked, n).state_bytes()
     assert precomputed[0] - sft[0] == shape.vocab * shape.hidden * 4  # no copy
     lora = TrainConfig(lora_r=4, **base)
-    checked = preflight(lora, 2)
-    assert job_for(lora, checked, n).state_bytes() == job_for(replace(lora, method="sft"), checked, n).state_bytes()
+    checked = preflight(RunSettings(lora), 2)
+    assert job_for(RunSettings(lora), checked, n).state_bytes() == \
+        job_for(RunSettings(replace(lora, method="sft")), checked, n).state_bytes()
 
 
 # BENCHMARKS.md, "DPO beside SFT": the Qwen3-8B shape, LoRA r 16, one pair of two 131,072-token documents as one
@@ -190,8 +193,10 @@ def test_dry_run_prices_the_dpo_step_measured_on_an_h200(layers, dpo, tokens, pl
 
 
 def test_dpo_of_long_pairs_prices_its_documents_as_long():
-    assert TrainConfig(method="dpo", seq_len=262144).long_documents
-    assert not TrainConfig(method="dpo", seq_len=262144, packing=True).long_documents
+    from ulysses_lc.train.settings import RunSettings
+
+    assert RunSettings(TrainConfig(method="dpo", seq_len=262144)).stream.long_documents
+    assert not RunSettings(TrainConfig(method="dpo", seq_len=262144, packing=True)).stream.long_documents
 
 
 def test_dpo_data_parallel_run_each_group_its_own_pairs(tmp_path):

@@ -121,6 +121,7 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
 def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path):
     from ulysses_lc.train import parse_args
     from ulysses_lc.train.preflight import CheckFailed, preflight
+    from ulysses_lc.train.settings import RunSettings
     from ulysses_lc.train.resume import _classified
 
     _classified()  # every TrainConfig field has a rule on resume
@@ -140,7 +141,7 @@ def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path
     for flags, fragment in [(["--lora-r", "0"], "lora_r=4, not 0"), (["--seq-len", "1024"], "seq_len=512, not 1024"),
                             (["--warmup-steps", "3"], "change --lr or --steps instead")]:
         with pytest.raises(CheckFailed, match=re.escape(fragment)):
-            preflight(parse_args([*resume, *flags]), 1)
+            preflight(RunSettings(parse_args([*resume, *flags])), 1)
     with pytest.raises(ValueError, match=r"--lora-r 0: give the adapters' rank, >= 1"):
         parse_args(["--lora-r", "0"]).check()
     with pytest.raises(ValueError, match=r"^--export-merged only applies to LoRA adapters; add --lora-r"):

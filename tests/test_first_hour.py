@@ -8,6 +8,7 @@ import pytest
 from ulysses_lc.train import CheckFailed, parse_args
 from ulysses_lc.train.loading import hub_offline
 from ulysses_lc.train.preflight import preflight
+from ulysses_lc.train.settings import RunSettings
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def test_offline_hub_name_fails_in_seconds_naming_data_and_model(env, monkeypatc
     cfg = parse_args(["--model", "Qwen/Qwen3-8B-not-cached", "--steps", "1"])
     t0 = time.monotonic()
     with pytest.raises(CheckFailed) as e:
-        preflight(cfg, 1)
+        preflight(RunSettings(cfg), 1)
     assert time.monotonic() - t0 < 10, "the hub was retried"
     message = str(e.value)
     assert "--model ./folder" in message and "--model tiny" in message and "--data tiny" in message, message
@@ -36,7 +37,7 @@ def test_offline_hub_name_fails_in_seconds_naming_data_and_model(env, monkeypatc
 def test_offline_hub_dataset_is_refused_naming_data(monkeypatch, fresh_probe):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckFailed, match="--data tiny"):
-        preflight(parse_args(["--model", "tiny", "--data", "someorg/somedata"]), 1)
+        preflight(RunSettings(parse_args(["--model", "tiny", "--data", "someorg/somedata"])), 1)
 
 
 # -- a laptop sizing a GPU node ----------------------------------------------------------------------------------

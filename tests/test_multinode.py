@@ -57,13 +57,14 @@ def test_sp_groups_sit_inside_nodes_whatever_order_the_launcher_numbers_ranks():
 
 def test_dry_run_names_the_placement_and_the_host_share(tmp_path):
     from ulysses_lc.train.estimate import limits_for
+    from ulysses_lc.train.settings import RunSettings
 
     cfg = TrainConfig(model="tiny", data="tiny", seq_len=4096, dry_run=True, world_size=16, sp_size=4,
                       gpus_per_node=8, host_memory_gb=64)
     text = dry_run(cfg)
     assert "16 ranks = sp 4" in text and "2 nodes x 8 ranks: each SP group of 4 inside one node" in text
     # Without --host-memory-gb, on the node: its memory shared by its 8 ranks, not by the world's 16.
-    assert "over 8 local ranks" in limits_for(replace(cfg, host_memory_gb=None), 16, ranks_here=8)[1]
+    assert "over 8 local ranks" in limits_for(RunSettings(replace(cfg, host_memory_gb=None)).plan, 16, ranks_here=8)[1]
     wide = dry_run(replace(cfg, sp_size=16 // 4, gpus_per_node=2))
     assert "8 nodes x 2 ranks: SP groups span up to 2 nodes" in wide and "sp 4 > 2 ranks per node" in wide
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from ulysses_lc.train import CheckFailed, TrainConfig, preflight, train
+from ulysses_lc.train import CheckFailed, RunSettings, TrainConfig, preflight, train
 from ulysses_lc.train.run_state import resume_line
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,15 +120,15 @@ def test_a_global_batch_that_cannot_be_held_is_refused_or_stated(saved_run, monk
     tmp, _ = saved_run
     monkeypatch.delenv("RANK", raising=False)
     cfg = _config(tmp, output_dir=str(tmp / "full"), resume=True)  # `latest`: step 4, 8 sequences consumed
-    held = preflight(replace(cfg, sp_size=2), 2)  # the layout that saved it: DeepSpeed's own load, ga 2
+    held = preflight(RunSettings(replace(cfg, sp_size=2)), 2)  # the layout that saved it: DeepSpeed's own load, ga 2
     assert (held.global_batch, held.ds_config["gradient_accumulation_steps"], held.resharded) == (2, 2, False)
     with pytest.raises(CheckFailed, match=r"the run trained 2 sequences per optimizer step, which dp_size=4 \(4 ranks "
                                           r"/ sp 1\) cannot split.* or change the global batch with --global-batch 4"):
-        preflight(replace(cfg, sp_size=1), 4)
+        preflight(RunSettings(replace(cfg, sp_size=1)), 4)
     with pytest.raises(CheckFailed, match="--global-batch 3 is not a multiple of dp_size=2 .*pass --global-batch 2 or "
                                           "--global-batch 4"):
-        preflight(replace(cfg, sp_size=2, global_batch=3), 4)
-    changed = preflight(replace(cfg, sp_size=1, global_batch=4), 4)
+        preflight(RunSettings(replace(cfg, sp_size=2, global_batch=3)), 4)
+    changed = preflight(RunSettings(replace(cfg, sp_size=1, global_batch=4)), 4)
     ds = changed.ds_config
     assert (ds["gradient_accumulation_steps"], ds["train_batch_size"], changed.resharded) == (1, 4, True)
     assert resume_line(changed.saved, 4, 1, changed.global_batch) == (
@@ -147,11 +147,11 @@ def test_missing_shards_of_the_saved_ranks_are_named_with_the_fix(saved_run, mon
     for f in tag.glob("zero_pp_rank_*_optim_states.pt"):  # named as a bf16 run's (GPU runs) names them
         f.rename(tag / f"bf16_{f.name}")
     cfg = _config(tmp, output_dir=str(run), resume=True, sp_size=4)
-    preflight(cfg, 4)  # every old rank's files are there
+    preflight(RunSettings(cfg), 4)  # every old rank's files are there
     for f in tag.glob("*zero_pp_rank_1_*"):
         f.unlink()
     with pytest.raises(CheckFailed) as e:
-        preflight(cfg, 4)
+        preflight(RunSettings(cfg), 4)
     message = str(e.value)
     assert "all 2 ranks that saved" in message and "2 are not there" in message, message
     assert "(zero_pp_rank_1_mp_rank_00_model_states.pt, bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt)" in message, message

@@ -356,7 +356,7 @@ def test_resume_with_other_settings_is_refused_and_another_world_or_sp_size_is_n
     # A checkpoint resumes on another world or SP size (its ZeRO-3 state resharded: tests/test_reshard.py trains
     # those resumes); what it trained on must stay: another seq_len would move the data position into other
     # windows. Both refused before anything starts.
-    from ulysses_lc.train import preflight
+    from ulysses_lc.train import RunSettings, preflight
 
     monkeypatch.delenv("RANK", raising=False)
     run = tmp_path / "run"
@@ -365,10 +365,10 @@ def test_resume_with_other_settings_is_refused_and_another_world_or_sp_size_is_n
     cfg = TrainConfig(model="tiny", data="tiny", seq_len=512, output_dir=str(run), resume=True)
     (run / "run.json").write_text(json.dumps({"model": "tiny", "seq_len": 512, "data": "tiny", "sp_size": 2, "world_size": 2}))
     with pytest.raises(CheckFailed, match="seq_len=512, not 1024; resume with the same settings"):
-        preflight(replace(cfg, seq_len=1024), 2)
+        preflight(RunSettings(replace(cfg, seq_len=1024)), 2)
     # The world and SP sizes pass the run.json check; the checkpoint's own files are then read for the saved layout.
     with pytest.raises(CheckFailed, match=r"has no zero_pp_rank_\*_mp_rank_00_model_states.pt: it is incomplete"):
-        preflight(replace(cfg, sp_size=4), 4)
+        preflight(RunSettings(replace(cfg, sp_size=4)), 4)
 
 
 def _main_worker(rank, world_size):

@@ -74,12 +74,14 @@ def test_the_run_refuses_the_same_plan(folders):
     """The run's start-up check is the dry run's arithmetic on the run's limits (estimate_memory(...).check())."""
     from ulysses_lc.train.estimate import estimate_memory
     from ulysses_lc.train.preflight import preflight
+    from ulysses_lc.train.settings import RunSettings
 
     cfg = replace(_cfg(folders, "qwen3-8b", 8, 4 << 20, gpu=80), dry_run=False, output_dir=str(folders / "run"))
-    checked = preflight(cfg, 8)
+    run = RunSettings(cfg)
+    checked = preflight(run, 8)
     job = _job("qwen3-8b", 8)
     limits = Limits(80 * GB, 250 * GB)
-    estimate = estimate_memory(cfg, checked, job.plan(cfg.seq_len, limits), PARAMS["qwen3-8b"], limits)
+    estimate = estimate_memory(run, checked, job.plan(cfg.seq_len, limits), PARAMS["qwen3-8b"], limits)
     with pytest.raises(DoesNotFit, match="gpu over by .* What would fit:\n  --world-size 16"):
         estimate.check()
 

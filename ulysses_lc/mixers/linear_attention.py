@@ -122,11 +122,14 @@ def resolve_deltanet_kernel(kernel: str, device: torch.device) -> tuple[str, str
 
 
 # Device bytes one gated DeltaNet layer's recurrence holds at its peak (forward + backward), per token of the whole
-# sequence and per value head a rank runs, the layer's inputs q, k, v, a, b included. Measured on an H200 at 262,144
-# tokens with 32 value heads of 128 (benchmarks/bench_deltanet.py, 2026-12-01): the torch path 123.5 GB forward +
-# backward; fla's forward alone 43.0 GB (5.1 KB; its backward is refused there, not measured). The memory plan prices
-# the torch path, the one that trains on that GPU.
-RECURRENCE_BYTES_PER_HEAD_TOKEN = 14_700
+# sequence and per value head a rank runs, the layer's inputs q, k, v, a, b included. The torch path in segments of
+# TORCH_SEGMENT_TOKENS, measured in whole training steps on an H200 (benchmarks/bench_hybrid.py, 2026-12-01, the
+# Qwen3.5-0.8B shape's 16 value heads of 128, 8 layers): a recomputed layer's block at 262,144 and 437,248 tokens is
+# 10.2 and 11.0 KB beside the memory model's other terms; 11.5 KB holds both from above. One call of transformers'
+# rule over the whole sequence (before the segments) held 14.7 KB (bench_deltanet.py: 123.5 GB at 262,144 tokens x 32
+# heads), its backward writing into one whole-sequence output; fla's forward alone 5.1 KB (its backward is refused
+# there, not measured). The memory plan prices the torch path, the one that trains on that GPU.
+RECURRENCE_BYTES_PER_HEAD_TOKEN = 11_500
 
 
 def recurrence_block_bytes(shape, seq_len: int, sp_size: int) -> int:

@@ -162,21 +162,22 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
     groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
                                                                              shape.head_dim)
     block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
-    # Layers run one at a time: the larger of the attention backward's block and a gated DeltaNet's recurrence, which
-    # a plain layer also stores from its forward (its share of the layers, as the plain layers are any of them).
+    # A gated DeltaNet's recurrence: what a plain one stores from its forward is its whole block (its backward works
+    # within it), a share of each plain layer as the plain layers are any of them; a recomputed one builds it again.
     recurrence = recurrence_block_bytes(shape, seq_len, sp_size)
-    block = max(block, recurrence)
-    recurrence_share = recurrence * sum(shape.linear_layers) / shape.layers
+    linear_share = sum(shape.linear_layers) / shape.layers
     output = seq_local * kept_output_bytes_per_token(shape)
     chunk = auto_chunk_rows(shape.vocab) * shape.vocab * 4  # one chunk's fp32 logits, inside loss_head_bytes
     return StepTerms.fitted(
-        layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape) + recurrence_share,
+        layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape),
+        recurrence=recurrence, recurrence_share=recurrence * linear_share,
         # Window / sink layers: the band's own copies (window_attention.py) join the working set.
         working_formula=seq_local * (working_set_bytes_per_token(shape)
                                      + (band_bytes_per_token(shape) if shape.layer_windows or shape.sinks else 0)),
         block=block,
         kept=seq_local * checkpointed_input_bytes_per_token(shape),
-        cached=output if keep_attention and not packed else 0, attention_output=output,
+        # Only the full-attention layers have an attention output to keep: the hybrids' share of them.
+        cached=output * (1 - linear_share) if keep_attention and not packed else 0, attention_output=output,
         loss=loss_head_bytes(shape, seq_local) - chunk, loss_chunk=chunk, sp_size=sp_size,
         packed=packed and not long_documents,
         offload=offload)

@@ -7,7 +7,8 @@ question by one arithmetic, the memory model's (memory_model.py) that the planne
   job.predict(seq_len, plan)    StepMemory: GPU peak (ZeRO-3 state + its gathered weights + activations) and host
   job.fit(seq_len, limits)      Fit: the plan, its prediction, what is over and by how much, which limit binds
   job.longest(limits)           the longest sequence whose plan fits (0: none)
-  job.step_seconds(seq_len, plan)  from the model FLOPs (metrics.py) at kernel rates measured on an H200
+  job.step_seconds(seq_len, plan)  from the model FLOPs (metrics.py) at kernel rates measured on an H200, and the
+                                gated DeltaNet layers' torch path at its measured cost per token (deltanet_time.py)
 The dry run (train/dry_run.py) and the run's start-up check (train/estimate.py) print these.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from . import memory_model
+from . import deltanet_time, memory_model
 from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
 from ..shape import ModelShape
@@ -134,6 +135,7 @@ class Job:
     reference_params: int = 0
     preference: bool = False
     ranks_per_node: int = 1  # ranks sharing one node's host memory and its launcher
+    deltanet: str = "auto"  # the gated DeltaNet layers' path priced: "auto" (deltanet_time.DELTANET_RULE), fla, torch
 
     def node_share(self, pinned: int = 0) -> int:
         """Host bytes outside the ranks' processes counted per rank: its share of the node's launcher
@@ -255,10 +257,20 @@ class Job:
                     break
         return out
 
+    def deltanet_line(self) -> str | None:
+        """How step_seconds prices the gated DeltaNet layers, and on which path (None: the model has none)."""
+        return deltanet_time.pricing_line(self.shape, self.deltanet)
+
     def step_seconds(self, seq_len: int, plan: MemoryPlan) -> float:
         """Predicted seconds of one step from its FLOPs (metrics.model_flops_per_step, the plan's recompute) at
-        the rates measured on an H200 (below); packed documents take less (their attention is block-diagonal)."""
-        flops = model_flops_per_step(self.shape, seq_len, recompute_layers=plan.recompute_layers,
+        the rates measured on an H200 (below), the gated DeltaNet layers on the torch path (deltanet_time.py, where
+        the rule picks it) at their measured cost per token instead of their FLOPs; packed documents take less
+        (their attention is block-diagonal)."""
+        shape = self.shape
+        torch_path = bool(shape.linear_layers) and deltanet_time.deltanet_path(self.deltanet)[0] == "torch"
+        if torch_path:  # the recurrence's FLOPs left out: the torch path's measured cost replaces them
+            shape = replace(shape, linear_heads=(0, 0, 0, 0))
+        flops = model_flops_per_step(shape, seq_len, recompute_layers=plan.recompute_layers,
                                      cached_attention_layers=plan.cache_attention_layers)
         attn_fwd = flops.attention / 3
         recomputed_fwd = attn_fwd * (plan.recompute_layers - plan.cache_attention_layers) / self.shape.layers
@@ -271,7 +283,9 @@ class Job:
             # q, k, v out and the attention output back, bf16, the share that leaves this rank
             per_layer = 2 * tokens * (2 * self.shape.q_width + 2 * self.shape.kv_width) * (1 - 1 / self.sp_size)
             exchange = per_layer * (2 * self.shape.layers + plan.recompute_layers) / EXCHANGE_BYTES_PER_S
-        return (attention + dense) / self.sp_size + rest + exchange
+        recurrence = (deltanet_time.torch_path_seconds(self.shape, seq_len, self.sp_size, plan.recompute_layers)
+                      if torch_path else 0.0)
+        return (attention + dense) / self.sp_size + rest + exchange + recurrence
 
 
 def zero3_offload(ds_config: dict) -> tuple[bool, bool]:

@@ -1,6 +1,7 @@
 """The main job: config and command line, loading, schedule, checkpoints, export, and the loop that joins them.
 
   TrainConfig, parse_args    what one run trains, from code or the command line  (config.py)
+  RunSettings                the flags resolved once, split into each part's settings (settings.py)
   load_model_config, ...     config / tokenizer / weights from hub, folder, tiny (loading.py)
   lr_lambda                  warmup then constant / linear / cosine               (schedule.py)
   check_output_dir, ...      output-dir policy, RNG, save and resume              (run_state.py)
@@ -27,6 +28,7 @@ from .cli import main
 from .loop import NonFiniteError, train
 from .preflight import CheckFailed, preflight
 from .schedule import lr_lambda
+from .settings import RunSettings
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -34,6 +36,7 @@ __all__ = [
     "NonFiniteError",
     "EXPORT_DIR",
     "RUN_FILE",
+    "RunSettings",
     "TINY",
     "TINY_DEFAULTS",
     "TrainConfig",

@@ -10,16 +10,38 @@ run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 
 from ..mixers.explicit_attention import valid_head_groups
-from ..data.settings import DataSettings
-from ..mixers.kernels import DOCUMENT_VARLEN_TOKENS, KERNELS
+from ..mixers.kernels import KERNELS
 from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
 from .schedule import SCHEDULES
 
 TINY = "tiny"
+
+
+class CheckFailed(ValueError):
+    """A user mistake found before any collective; the message names the fix.
+
+    origin: where it was found ("rank 2 on node 1, host h"), when not every rank found it (job_watch.start).
+    """
+
+    def __init__(self, message: str, origin: str | None = None):
+        super().__init__(message)
+        self.origin = origin
+
+
+@contextlib.contextmanager
+def as_check_failed():
+    """A ValueError raised inside becomes a CheckFailed: a user mistake, agreed across ranks (job_watch.start)."""
+    try:
+        yield
+    except CheckFailed:
+        raise
+    except ValueError as e:
+        raise CheckFailed(str(e)) from e
 
 
 @dataclass
@@ -81,24 +103,6 @@ class TrainConfig:
     dpo_loss: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
     dpo_reference: str = "auto"  # auto | copy | adapters | precomputed (train/preference_step.py)
-
-    @property
-    def packed_documents(self) -> bool:
-        """Whether sequences are packed documents (packing, or DPO's two documents per pair): the memory plan's."""
-        return self.packing or self.method == "dpo"
-
-    @property
-    def long_documents(self) -> bool:
-        """DPO without --packing: a sequence is one pair, two documents of about half of --seq-len at the longest,
-        each run by its own kernel call when that is at least DOCUMENT_VARLEN_TOKENS (kernels.document_attention),
-        which the memory model prices as an unpacked layer (memory.step_terms)."""
-        return self.method == "dpo" and not self.packing and self.seq_len >= 2 * DOCUMENT_VARLEN_TOKENS
-
-    @property
-    def data_settings(self) -> DataSettings:
-        """The fields that shape the data (the token cache's key): one object for check_source and the stream."""
-        return DataSettings(text_column=self.text_column, data_config=self.data_config, loss_on=self.loss_on,
-                            packing=self.packing, long_samples=self.long_samples, seed=self.seed)
 
     def check(self) -> None:
         """ValueError naming the flag and the fix for a setting no run can use."""
@@ -269,10 +273,13 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "backward's working block exists one group at a time (default auto: under 1 GiB)")
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard in --output-dir")
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=d.tensorboard,
+                   help="also log to TensorBoard in --output-dir (--no-tensorboard: not, on a resume of a run that did)")
     p.add_argument("--wandb", dest="wandb_project", metavar="PROJECT",
                    help="also report each step to Weights & Biases in PROJECT (pip install 'ulysses_lc[wandb]')")
-    p.add_argument("--no-export", dest="export", action="store_false", help="skip the final HF export")
+    p.add_argument("--export", action=argparse.BooleanOptionalAction, default=d.export,
+                   help="write the Hugging Face export at the end (default); --no-export skips it. On --resume the "
+                        "saved run's choice holds unless one of the two is given")
     p.add_argument("--lora-r", type=int, default=d.lora_r,
                    help="train LoRA adapters of this rank instead of every weight (needs ulysses_lc[peft]); the "
                         "export is then the adapter (default 0: full fine-tune)")
@@ -280,7 +287,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--lora-targets", default=d.lora_targets,
                    help="modules that get adapters, comma-separated (default all: q,k,v,o,gate,up,down projections)")
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the adapters' input")
-    p.add_argument("--export-merged", action="store_true",
+    p.add_argument("--export-merged", action=argparse.BooleanOptionalAction, default=d.export_merged,
                    help="with --lora-r: also export the adapters merged into the base weights (hf_export/merged)")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check and print the memory plan and predicted GPU and host memory per rank; "

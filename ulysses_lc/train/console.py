@@ -7,6 +7,7 @@ import sys
 import warnings
 
 from ..mixers import fallbacks
+from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
 from ..plan.sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
 from ..levers.yarn import describe_rope_scaling
@@ -65,9 +66,8 @@ def layout_line(layout, global_batch: int | None = None) -> str:
     return line + f"\n  nodes     {layout.placement_line()}"
 
 
-def _plan_reason(cfg, device: str, estimate, differs: str | None = None) -> str:
-    flags = [f"--{n.replace('_', '-')}" for n in ("recompute_layers", "keep_on_gpu", "cache_attention_layers")
-             if getattr(cfg, n) is not None]
+def _plan_reason(plan_settings, device: str, estimate, differs: str | None = None) -> str:
+    flags = plan_settings.overridden()
     if device != "gpu":
         why = "no GPU: every layer checkpointed and offloaded, to exercise the paths (--gpu-memory-gb plans for one)"
     elif differs:
@@ -77,9 +77,6 @@ def _plan_reason(cfg, device: str, estimate, differs: str | None = None) -> str:
     else:
         why = "the fastest plan that fits the limits below (memory.plan_memory), the dry run's for them"
     return why + (f", with {', '.join(flags)} as given" if flags else "")
-
-
-DELTANET_RULE = "fla where fla-core is installed and its backward runs on the GPU, else the torch path"
 
 
 def layers_line(model_config, kernel: str, deltanet: str) -> str:
@@ -102,16 +99,15 @@ def layers_line(model_config, kernel: str, deltanet: str) -> str:
     return ", ".join(f"{n} {name}" for name, n in kinds.items())
 
 
-def reference_line(cfg, estimate) -> str:
+def reference_line(run, estimate) -> str:
     """DPO's reference model and what it costs per rank (sizing.Job.reference_params)."""
-    from .preference_step import reference_kind
-
-    job = estimate.job
-    head = f"DPO {cfg.dpo_loss}, beta {cfg.dpo_beta:g}; two documents per pair (prompt + chosen | prompt + rejected)"
-    if reference_kind(cfg) == "adapters":
+    job, objective = estimate.job, run.objective
+    head = (f"DPO {objective.dpo_loss}, beta {objective.dpo_beta:g}; two documents per pair (prompt + chosen | "
+            "prompt + rejected)")
+    if objective.reference == "adapters":
         return f"reference the model with its LoRA adapters off: no second model; {head}"
-    if reference_kind(cfg) == "precomputed":
-        return ("reference precomputed: the model as loaded" + (" with its adapters off" if cfg.lora_r else "")
+    if objective.reference == "precomputed":
+        return ("reference precomputed: the model as loaded" + (" with its adapters off" if run.model.lora_r else "")
                 + f", once over the data before training, kept in the token cache: no second model; {head}")
     size = "" if job is None else (f": {job.reference_params / 1e6:,.1f} M params, "
                                    f"{2 * job.reference_params / job.world_size / GB:.2f} GB per rank of bf16 weights "
@@ -119,10 +115,10 @@ def reference_line(cfg, estimate) -> str:
     return f"reference a frozen copy, ZeRO-3 partitioned like the policy{size}; {head}"
 
 
-def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
+def startup_block(*, out, run, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
                   limits_line: str | None = None, node: str | None = None, differs: str | None = None,
                   deltanet: str | None = None) -> str:
-    """The run's start-up summary: where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
+    """The run's start-up summary (run: settings.RunSettings): where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
     (per rank, and `node`: per node), and against `limits_line`'s limits (estimate.fit) whether the plan fits.
     device: "gpu" where the plan is a GPU's (the dry run, a GPU run, a CPU run given --gpu-memory-gb); differs: why
     the run's plan is not the dry run's for the same limits; deltanet: what runs the gated DeltaNet layers (the run's
@@ -130,23 +126,23 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
     yarn = checked.rope or describe_rope_scaling(checked.model_config)
     layers = checked.model_config.num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
-    m = estimate.memory
+    m, model = estimate.memory, run.model
     lines = [
         f"output    {out}" if out is not None else "output    none (dry run)",
         f"layout    {layout_line}",
-        f"model     {cfg.model}: {type(checked.model_config).__name__}, {layers} layers, {num_params / 1e6:,.1f} M params"
-        + (f"; LoRA r {cfg.lora_r} on {cfg.lora_targets}: {checked.trainable_params / 1e6:,.2f} M trained, the rest "
+        f"model     {model.name}: {type(checked.model_config).__name__}, {layers} layers, {num_params / 1e6:,.1f} M "
+        "params" + (f"; LoRA r {model.lora_r} on {model.lora_targets}: {checked.trainable_params / 1e6:,.2f} M trained, the rest "
            "frozen (no optimizer state)" if checked.trainable_params is not None else ""),
-        f"length    {cfg.seq_len:,} tokens per step, {yarn}",
-        *([reference_line(cfg, estimate)] if cfg.method == "dpo" else []),
-        f"kernel    {kernel}, attention head groups {cfg.attention_head_groups}; fallbacks {fallbacks.summary()}",
+        f"length    {run.stream.seq_len:,} tokens per step, {yarn}",
+        *([reference_line(run, estimate)] if run.objective.dpo else []),
+        f"kernel    {kernel}, attention head groups {model.attention_head_groups}; fallbacks {fallbacks.summary()}",
         f"layers    {layers_line(checked.model_config, kernel, deltanet or DELTANET_RULE)}",
-        f"deepspeed {cfg.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
+        f"deepspeed {run.optim.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
         "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"
         + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),
         f"plan      {layers - plan.recompute_layers} plain layers, {plan.recompute_layers} checkpointed "
         f"({offloaded} offloaded to host, {plan.keep_on_gpu} kept on {device}), "
-        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(cfg, device, estimate, differs)}",
+        f"{plan.cache_attention_layers} keep their attention output; {_plan_reason(run.plan, device, estimate, differs)}",
         f"memory    per rank, predicted: {device} {m.gpu / GB:.1f} GB peak (ZeRO-3 state {m.state_gpu / GB:.1f}, "
         f"gathered weights {m.gathered / GB:.1f}, activations {m.act_gpu / GB:.1f}), host {m.host / GB:.1f} GB "
         f"(process {m.process_host / GB:.1f}, state {m.state_host / GB:.1f}, offloaded activations {m.act_host / GB:.1f})",
@@ -156,7 +152,10 @@ def startup_block(*, out, cfg, checked, layout_line: str, num_params: int, kerne
     if estimate.fit is not None:
         lines.append(f"limits    {limits_line}: {estimate.fit.verdict()}")
     if device == "gpu":
+        # The gated DeltaNet layers' path priced: the dry run's by DELTANET_RULE (it cannot probe a GPU it lacks).
+        deltanet_line = estimate.job.deltanet_line() if estimate.job is not None else None
         lines.append(f"step      {estimate.step_s:,.1f} s predicted (model FLOPs at an H200's measured rates: attention "
                      f"{ATTENTION_FLOPS_PER_S / 1e12:.0f}, matmul {MATMUL_FLOPS_PER_S / 1e12:.0f} TF/s"
-                     + ("; packed documents take less" if cfg.packing else "") + ")")
-    return "\n".join(["ulysses_lc " + ("dry run" if cfg.dry_run else "run")] + ["  " + line for line in lines])
+                     + ("; packed documents take less" if run.stream.shape.packing else "")
+                     + (f"; {deltanet_line}" if deltanet_line else "") + ")")
+    return "\n".join(["ulysses_lc " + ("dry run" if run.dry_run else "run")] + ["  " + line for line in lines])

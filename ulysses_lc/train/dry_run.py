@@ -17,6 +17,7 @@ from .config import TrainConfig
 from .console import layout_line, startup_block
 from .estimate import DoesNotFit, estimate_memory, job_for, limits_for, local_ranks, node_line, sized_params
 from .preflight import preflight
+from .settings import RunSettings
 
 
 def dry_run(cfg: TrainConfig) -> str:
@@ -28,15 +29,16 @@ def dry_run(cfg: TrainConfig) -> str:
     SP groups' placement (inside a node or across) follows cfg.gpus_per_node and cfg.sp_placement. cfg.max_seq_len:
     plan at the longest sequence that fits instead of cfg.seq_len. DoesNotFit (a CheckFailed) when the plan does
     not fit; its `report` is the text this would have returned."""
-    ranks = cfg.world_size or world_size()
-    checked = preflight(cfg, ranks)
+    run = RunSettings(cfg)
+    ranks = run.plan.world_size or world_size()
+    checked = preflight(run, ranks)
     num_params = sized_params(checked)
     # Nodes as a launcher numbers them (each node's ranks together): where the SP groups will sit.
-    per_node = local_ranks(checked.world_size, cfg.gpus_per_node)
-    job = job_for(cfg, checked, num_params, per_node)
-    limits, limits_line = limits_for(cfg, checked.world_size)
+    per_node = local_ranks(checked.world_size, run.plan.gpus_per_node)
+    job = job_for(run, checked, num_params, per_node)
+    limits, limits_line = limits_for(run.plan, checked.world_size)
     longest_line = None
-    if cfg.max_seq_len:
+    if run.plan.max_seq_len:
         longest = job.longest(limits)
         if not longest:
             shortest = job.fit(1024 * checked.sp_size, limits)
@@ -45,32 +47,31 @@ def dry_run(cfg: TrainConfig) -> str:
         over = job.fit(int(longest * 1.1), limits)
         longest_line = (f"longest   {longest:,} tokens fit (multiples of {1024 * checked.sp_size:,}); 1.1x that, "
                         f"{over.seq_len:,}: {over.verdict()}")
-        cfg = replace(cfg, seq_len=longest)
-        checked = preflight(cfg, ranks)  # the YaRN factor of the new length
-    plan = job.plan(cfg.seq_len, limits).with_overrides(cfg.recompute_layers, cfg.keep_on_gpu,
-                                                        cfg.cache_attention_layers)
-    estimate = estimate_memory(cfg, checked, plan, num_params, limits, per_node)
+        run = RunSettings(replace(run.flags, seq_len=longest))
+        checked = preflight(run, ranks)  # the YaRN factor of the new length
+    seq_len = run.stream.seq_len
+    plan = job.plan(seq_len, limits).with_overrides(*run.plan.overrides)
+    estimate = estimate_memory(run, checked, plan, num_params, limits, per_node)
     layout = ParallelLayout(checked.world_size, checked.sp_size, nodes=nodes_of(checked.world_size, per_node),
-                            placement=cfg.sp_placement)
-    block = startup_block(out=None, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch),
-                          num_params=num_params,
-                          kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu", limits_line=limits_line,
-                          node=node_line(estimate, per_node))
+                            placement=run.parallel.placement)
+    block = startup_block(out=None, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
+                          num_params=num_params, kernel=run.model.kernel, plan=plan, estimate=estimate, device="gpu",
+                          limits_line=limits_line, node=node_line(estimate, per_node))
     text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else [])
-                     + [f"  {checkpoint_line(cfg, checked, num_params)}", "  nothing was loaded"])
+                     + [f"  {checkpoint_line(run.output.keep_checkpoints, checked, num_params)}", "  nothing was loaded"])
     if not estimate.fit.fits:
-        raise DoesNotFit(estimate.fit.verdict(), job.alternatives(cfg.seq_len, limits), text)
+        raise DoesNotFit(estimate.fit.verdict(), job.alternatives(seq_len, limits), text)
     return text
 
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights and Adam's two fp32 moments of each trained parameter (ZeRO-3's files)
 
 
-def checkpoint_line(cfg: TrainConfig, checked, num_params: int) -> str:
-    """How much disk a checkpoint takes: in all, per rank, and with --keep-checkpoints of them kept."""
+def checkpoint_line(keep: int, checked, num_params: int) -> str:
+    """How much disk a checkpoint takes: in all, per rank, and with `keep` of them kept (--keep-checkpoints)."""
     trained = checked.trainable_params if checked.trainable_params is not None else num_params
     each = CHECKPOINT_BYTES_PER_PARAM * trained
-    kept = (f"; {cfg.keep_checkpoints} kept (--keep-checkpoints): {human_bytes(cfg.keep_checkpoints * each)}"
-            if cfg.keep_checkpoints else "; every one kept (--keep-checkpoints 0)")
+    kept = (f"; {keep} kept (--keep-checkpoints): {human_bytes(keep * each)}"
+            if keep else "; every one kept (--keep-checkpoints 0)")
     return (f"disk      a checkpoint takes {human_bytes(each)} ({CHECKPOINT_BYTES_PER_PARAM} bytes per trained "
             f"parameter: fp32 weights and Adam's moments), {human_bytes(each / checked.world_size)} per rank{kept}")

@@ -19,8 +19,7 @@ from ..plan.memory import optimizer_reserved_bytes
 from ..plan.memory_model import HOST_HEADROOM
 from ..shape import ModelShape
 from ..plan.sizing import GB, Fit, Job, Limits, StepMemory
-from .preference_step import reference_kind
-from .preflight import CheckFailed
+from .config import CheckFailed
 
 DEFAULT_GPU_GB = 149.0  # an H200: 139.8 GiB usable as torch reports it (BENCHMARKS.md), what the benchmarks ran on
 GPUS_PER_NODE = 8  # a dry run's local ranks when no launcher says (an 8-GPU node)
@@ -66,19 +65,19 @@ def count_params(model_config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def job_for(cfg, checked, num_params: int, ranks_per_node: int = 1) -> Job:
-    """The run's sizing.Job: its shape, parameter count, ranks (ranks_per_node: those sharing one node's host memory
-    and launcher), DeepSpeed offload and attention policy, and for DPO the reference copy's parameters (the model
-    without its adapters; 0 for the adapters-off reference)."""
+def job_for(run, checked, num_params: int, ranks_per_node: int = 1) -> Job:
+    """The run's sizing.Job (run: settings.RunSettings): its shape, parameter count, ranks (ranks_per_node: those
+    sharing one node's host memory and launcher), DeepSpeed offload and attention policy, and for DPO the reference
+    copy's parameters (the model without its adapters; 0 for the adapters-off reference)."""
     reference = 0
-    if cfg.method == "dpo" and reference_kind(cfg) == "copy":
+    if run.objective.reference == "copy":
         reference = num_params - (checked.trainable_params or 0 if checked.peft_config is not None else 0)
     return Job.from_ds_config(ModelShape.from_config(checked.model_config), num_params, checked.world_size,
-                              checked.sp_size, checked.ds_config, kernel=cfg.kernel,
-                              head_groups=cfg.attention_head_groups, packed=cfg.packed_documents,
+                              checked.sp_size, checked.ds_config, kernel=run.model.kernel,
+                              head_groups=run.model.attention_head_groups, packed=run.stream.packed_documents,
                               trainable_params=checked.trainable_params, ranks_per_node=ranks_per_node,
-                              reference_params=reference, preference=cfg.method == "dpo",
-                              long_documents=cfg.long_documents)
+                              reference_params=reference, preference=run.objective.dpo,
+                              long_documents=run.stream.long_documents)
 
 
 def sized_params(checked) -> int:
@@ -104,8 +103,9 @@ def _gpus_here() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def limits_for(cfg, world_size: int, gpu_bytes: float | None = None, ranks_here: int | None = None) -> tuple[Limits, str]:
-    """(Limits per rank, a line saying where they come from), the dry run's and the run's alike.
+def limits_for(plan, world_size: int, gpu_bytes: float | None = None, ranks_here: int | None = None) -> tuple[Limits, str]:
+    """(Limits per rank, a line saying where they come from), the dry run's and the run's alike (plan:
+    settings.PlanSettings).
 
     GPU: --gpu-memory-gb, else `gpu_bytes` (the run's GPU total), else this machine's GPU where it has the node's
     GPUs, else an H200's. Host: --host-memory-gb, else HOST_HEADROOM of this node's memory over its ranks
@@ -114,11 +114,11 @@ def limits_for(cfg, world_size: int, gpu_bytes: float | None = None, ranks_here:
     node's memory."""
     import psutil
 
-    ranks = ranks_here or local_ranks(world_size, cfg.gpus_per_node)
+    ranks = ranks_here or local_ranks(world_size, plan.gpus_per_node)
     gpus_here = _gpus_here() >= ranks  # this machine has the node's GPUs
     here = ranks_here is not None or gpus_here  # this machine is the node
-    if cfg.gpu_memory_gb:
-        gpu, gpu_src = cfg.gpu_memory_gb * GB, "--gpu-memory-gb"
+    if plan.gpu_memory_gb:
+        gpu, gpu_src = plan.gpu_memory_gb * GB, "--gpu-memory-gb"
     elif gpu_bytes is not None or gpus_here:
         import torch
 
@@ -126,8 +126,8 @@ def limits_for(cfg, world_size: int, gpu_bytes: float | None = None, ranks_here:
         gpu_src = "this GPU; --gpu-memory-gb"
     else:
         gpu, gpu_src = DEFAULT_GPU_GB * GB, "an H200's; --gpu-memory-gb"
-    if cfg.host_memory_gb:
-        host, host_src = cfg.host_memory_gb * GB, "--host-memory-gb"
+    if plan.host_memory_gb:
+        host, host_src = plan.host_memory_gb * GB, "--host-memory-gb"
     elif here:
         total = psutil.virtual_memory().total
         host = HOST_HEADROOM * total / ranks
@@ -143,13 +143,14 @@ def limits_for(cfg, world_size: int, gpu_bytes: float | None = None, ranks_here:
                                f"({host_src})")
 
 
-def estimate_memory(cfg, checked, plan, num_params: int, limits: Limits | None = None,
+def estimate_memory(run, checked, plan, num_params: int, limits: Limits | None = None,
                     ranks_per_node: int = 1) -> MemoryEstimate:
     """The plan's predicted memory per rank and step time, and against `limits` (when given) whether it fits."""
-    job = job_for(cfg, checked, num_params, ranks_per_node)
-    memory = job.predict(cfg.seq_len, plan)
-    fit = Fit(cfg.seq_len, plan, memory, limits) if limits is not None else None
-    return MemoryEstimate(memory, job.step_seconds(cfg.seq_len, plan), fit, job)
+    job = job_for(run, checked, num_params, ranks_per_node)
+    seq_len = run.stream.seq_len
+    memory = job.predict(seq_len, plan)
+    fit = Fit(seq_len, plan, memory, limits) if limits is not None else None
+    return MemoryEstimate(memory, job.step_seconds(seq_len, plan), fit, job)
 
 
 def node_beside_bytes() -> int:
@@ -205,20 +206,20 @@ def plan_reservations(job: Job, limits: Limits) -> dict:
     return {"reserved_bytes": moments, "budget": job.budget(limits)}
 
 
-def run_limits(cfg, checked, device, layout) -> tuple[Limits, str] | None:
+def run_limits(plan, checked, device, layout) -> tuple[Limits, str] | None:
     """The run's limits per rank, as its dry run would set them on this machine (`limits_for`: --gpu-memory-gb else
     this GPU's total, --host-memory-gb else the node's share), the smallest over all ranks so that every rank
     judges alike. Without CUDA only where --gpu-memory-gb is given (the plan then is a GPU's of that size; else
     None: every layer checkpointed, to exercise the paths). Collective."""
     import torch
 
-    if device.type != "cuda" and not cfg.gpu_memory_gb:
+    if device.type != "cuda" and not plan.gpu_memory_gb:
         return None
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    if total is not None and cfg.gpu_memory_gb and cfg.gpu_memory_gb * GB > total:
-        raise ValueError(f"--gpu-memory-gb {cfg.gpu_memory_gb:g} is more than this GPU's {total / GB:.1f} GB; pass "
+    if total is not None and plan.gpu_memory_gb and plan.gpu_memory_gb * GB > total:
+        raise ValueError(f"--gpu-memory-gb {plan.gpu_memory_gb:g} is more than this GPU's {total / GB:.1f} GB; pass "
                          f"--gpu-memory-gb {total / GB:.0f} or less, or leave it out (the GPU's own).")
-    limits, line = limits_for(cfg, checked.world_size, gpu_bytes=total, ranks_here=layout.ranks_on_node())
+    limits, line = limits_for(plan, checked.world_size, gpu_bytes=total, ranks_here=layout.ranks_on_node())
     both = torch.tensor([limits.gpu_bytes, limits.host_bytes], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MIN, group=layout.world_group)
     return Limits(float(both[0]), float(both[1])), line

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from ..data import build_token_stream, check_source, pad_token_id
-from ..data.cache import default_cache_dir
 from ..parallel.distributed import init_distributed, seed_step, world_size
 from ..parallel.layout import ParallelLayout
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
@@ -43,13 +42,14 @@ from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_kind, reference_path
+from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_path
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
 from .stop import Stopped, StopRequest
 from .same_flags import check_same_flags
 from .schedule import Schedule
+from .settings import OptimSettings, RunSettings, WatchSettings
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,13 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     """
     if cfg.dry_run:
         raise ValueError("--dry-run: call ulysses_lc.train.dry_run(cfg), which loads nothing and starts no process group.")
-    checked = failure = None
+    # The flags resolved once (on --resume over the saved run's), split into each part's settings (settings.py); the
+    # timeouts first, for the watch below, which starts even when the flags are refused.
+    timeouts = WatchSettings(cfg.node_timeout_s, cfg.stop_grace_s)
+    run = checked = failure = None
     try:
-        checked = preflight(cfg, world_size())
+        run = RunSettings(cfg)
+        checked = preflight(run, world_size())
     except Exception as e:  # noqa: BLE001 - a rank whose checks failed still joins the agreement below
         if world_size() == 1:
             raise  # nobody to agree with, and no process group to start
@@ -77,11 +81,10 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # Every rank's checks agreed (one failed on one node's disk fails every rank, naming it), then the watch that
     # ends every node's ranks when one fails, for as long as the run lasts. init_distributed bound this rank's GPU,
     # on which NCCL runs the agreement's object collective.
-    watch = job_watch.start(failure, node_timeout_s=cfg.node_timeout_s, stop_grace_s=cfg.stop_grace_s)
+    watch = job_watch.start(failure, node_timeout_s=timeouts.node_timeout_s, stop_grace_s=timeouts.stop_grace_s)
     try:
-        # On --resume, the saved run's settings where not named; the flags as given are compared across ranks.
         with ExitStack() as held:  # the run folder's lock, from before any work to the end (run_lock.py)
-            records = _train(checked.cfg, checked, on_step, given=cfg, held=held, stop=watch.stop_request)
+            records = _train(run, checked, on_step, held=held, stop=watch.stop_request)
     except Stopped:
         watch.stop(clean=True)  # every rank stopped at the same step: none is a peer gone without a report
         raise
@@ -92,12 +95,14 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     return records
 
 
-def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitStack, stop: StopRequest) -> list[dict]:
+def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopRequest) -> list[dict]:
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
-    layout = ParallelLayout.build(checked.sp_size, placement=cfg.sp_placement)
+    layout = ParallelLayout.build(checked.sp_size, placement=run.parallel.placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
+    model_settings, stream_settings, output, optim = run.model, run.stream, run.output, run.optim
+    seq_len, steps, dpo = stream_settings.seq_len, optim.steps, run.objective.dpo
     global_batch = checked.global_batch
     grad_accum = global_batch // layout.dp_size  # micro steps per optimizer step, each DP group one sequence each
     rank0 = layout.rank == 0
@@ -105,36 +110,37 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    check_same_flags(given, layout)  # a node started with other flags would run rank 0's without a word
+    check_same_flags(run.given, layout)  # a node started with other flags would run rank 0's without a word
     # One run folder for the whole job (rank 0's), then who writes what in it and in the token cache: once per
     # folder, whether the nodes share one file system or each has its own disk (files.py).
-    out = agree_on_run_dir(checked.out, lambda: new_run_dir(cfg.model), layout)
-    if cfg.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
-        check_output_dir(cfg, sp_size, world, out)
+    out = agree_on_run_dir(checked.out, lambda: new_run_dir(model_settings.name), layout)
+    if output.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
+        check_output_dir(out, output.resume)
     run_files = folder_owner(out, layout)
     held.enter_context(hold_run_folder(out, run_files.writes, layout))  # a second job on this folder stops here
-    cache_files = folder_owner(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(), layout)
+    cache_files = folder_owner(stream_settings.cache_dir, layout)
     if rank0:
-        logger.info("%s %s%s", "resuming" if cfg.resume else "writing to", out,
+        logger.info("%s %s%s", "resuming" if output.resume else "writing to", out,
                     "" if layout.num_nodes == 1 else f" (run folder {run_files.describe()}, token cache "
                     f"{cache_files.describe()})")
 
-    tokenizer = load_tokenizer(cfg.model)
-    dpo = cfg.method == "dpo"
+    tokenizer = load_tokenizer(model_settings.name)
     if dpo:  # every pair read and checked (length, completion tokens) before any weight loads
-        stream = build_pair_stream(cfg, tokenizer)
+        stream = build_pair_stream(stream_settings, tokenizer)
     else:
-        data_settings = cfg.data_settings.kwargs()
+        shape = stream_settings.shape.kwargs()
         # A missing path, column or completion fails here, on the first rows, before any weights load.
-        check_source(cfg.data, tokenizer, seq_len=cfg.seq_len, **data_settings)
+        check_source(stream_settings.source, tokenizer, seq_len=seq_len, **shape)
         stream = build_token_stream(
-            cfg.data, tokenizer, cfg.seq_len, num_steps=cfg.steps * global_batch, cache_dir=cfg.cache_dir,
-            builder=cache_files.writes, progress=rank0, **data_settings,
+            stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
+            cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
         )
 
-    torch.manual_seed(cfg.seed)
-    hf_model = load_model(cfg.model, model_config, checked.dtype, cfg.seed, device, ds_config, checked.peft_config)
-    model = SequenceParallelCausalLM(hf_model, layout, kernel=cfg.kernel, attention_head_groups=cfg.attention_head_groups)
+    torch.manual_seed(run.seed)
+    hf_model = load_model(model_settings.name, model_config, model_settings.dtype, run.seed, device, ds_config,
+                          checked.peft_config)
+    model = SequenceParallelCausalLM(hf_model, layout, kernel=model_settings.kernel,
+                                     attention_head_groups=model_settings.attention_head_groups)
     # The plan's parameter count is the dry run's (the config's, on the meta device), so both price the same state.
     num_params = sized_params(checked)
 
@@ -142,9 +148,9 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
     if "optimizer" not in ds_config:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+            params, lr=optim.lr, weight_decay=optim.weight_decay, fused=device.type == "cuda"
         )
-    schedule = Schedule(cfg)  # a function of this object, not the object: LambdaLR would save and load its fields
+    schedule = Schedule(optim)  # a function of this object, not the object: LambdaLR would save and load its fields
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
@@ -152,28 +158,27 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
-    dpo_step = DPOStep(cfg, layout, model_config.vocab_size, pad_token_id(tokenizer),
-                       load_reference(cfg, checked, device, layout)) if dpo else None
+    dpo_step = DPOStep(run.objective, seq_len, layout, model_config.vocab_size, pad_token_id(tokenizer),
+                       load_reference(run, checked, device, layout), adapters=bool(model_settings.lora_r)) \
+        if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
     # The plan is the dry run's for this machine's limits (the same Job.plan, within the same budget): only device
     # memory held outside this job (another process) changes it, and the plan line says so. One that does not fit
     # stops here.
-    limits, limits_line = run_limits(cfg, checked, device, layout) or (None, None)
+    limits, limits_line = run_limits(run.plan, checked, device, layout) or (None, None)
     ranks_here = layout.ranks_on_node()
-    job = job_for(cfg, checked, num_params, ranks_here)
+    job = job_for(run, checked, num_params, ranks_here)
     reserve = plan_reservations(job, limits) if limits else {}
-    model.probe_attention(device, checked.dtype)  # a kernel that refuses this model's call is known before the plan
-    plan = model.plan_step(cfg.seq_len, device, packed=cfg.packed_documents, long_documents=cfg.long_documents,
-                            **reserve).with_overrides(
-        cfg.recompute_layers, cfg.keep_on_gpu, cfg.cache_attention_layers)
+    model.probe_attention(device, model_settings.dtype)  # a kernel that refuses this model's call is known first
+    plan = model.plan_step(seq_len, device, packed=stream_settings.packed_documents,
+                           long_documents=stream_settings.long_documents, **reserve).with_overrides(*run.plan.overrides)
     model.use_plan(plan)
-    estimate = estimate_memory(cfg, checked, plan, num_params, limits, ranks_here)
-    dry = job.plan(cfg.seq_len, limits).with_overrides(cfg.recompute_layers, cfg.keep_on_gpu,
-                                                      cfg.cache_attention_layers) if limits else plan
+    estimate = estimate_memory(run, checked, plan, num_params, limits, ranks_here)
+    dry = job.plan(seq_len, limits).with_overrides(*run.plan.overrides) if limits else plan
     if rank0:
         logger.info(startup_block(
-            out=out, cfg=cfg, checked=checked, layout_line=layout_line(layout, checked.global_batch), num_params=num_params,
-            kernel=cfg.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
+            out=out, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
+            num_params=num_params, kernel=model_settings.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
             limits_line=limits_line, deltanet=model.deltanet,
             node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
@@ -182,41 +187,41 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
 
-    if dpo and reference_kind(cfg) == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
-        cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-        hit = dpo_step.precompute(engine, stream, reference_path(cfg, checked, stream, cache), cache_files.writes, device)
+    if run.objective.reference == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
+        path = reference_path(model_settings, checked.rope, stream, stream_settings.cache_dir)
+        hit = dpo_step.precompute(engine, stream, path, cache_files.writes, device)
         if rank0:
             logger.info("DPO reference log-probabilities of %d sequences %s the token cache", len(stream),
                         "read from" if hit else "computed once, written to")
 
     start_step = 0
-    if cfg.resume:
+    if output.resume:
         start_step = load_checkpoint(engine, out, stream, layout, schedule=schedule)
-        extended = schedule.extend(start_step, cfg.steps)
-        _apply_lr(scheduler, schedule, cfg)  # a new --lr or --weight-decay; the checkpoint's lr otherwise, as saved
+        extended = schedule.extend(start_step, steps)
+        _apply_lr(scheduler, schedule, optim)  # a new --lr or --weight-decay; the checkpoint's lr otherwise, as saved
         loaded = {**checked.saved, "step": start_step, "position": stream.position}  # an older one where it is damaged
         if rank0:
-            for line in [resume_line(loaded, world, sp_size, global_batch), *change_lines(checked.changed),
+            for line in [resume_line(loaded, world, sp_size, global_batch), *change_lines(run.changed),
                          *([extended] if extended else [])]:
                 logger.info(line)
         if run_files.writes:
-            record_resume(out, cfg, start_step, checked.changed, sp_size, world)
+            record_resume(out, run.flags, start_step, run.changed, sp_size, world)
     elif run_files.writes:
-        write_run_file(out, cfg, sp_size, world)
+        write_run_file(out, run.flags, sp_size, world)
 
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size. Without a
     # GPU the figures mean nothing, so the line shows "-".
-    flops = model_flops_per_step(model_config, cfg.seq_len, recompute_layers=plan.recompute_layers,
+    flops = model_flops_per_step(model_config, seq_len, recompute_layers=plan.recompute_layers,
                                  cached_attention_layers=plan.cache_attention_layers) \
         if device.type == "cuda" and not dpo else None  # DPO: pairs shorter than seq_len, a reference forward: "-"
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     records = []
     with RunLogger(
-        out, cfg.steps, tokens_per_step=cfg.seq_len * global_batch, world_size=sp_size, flops=flops,
-        peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=cfg.tensorboard,
-        wandb_run=_start_wandb(cfg, out) if rank0 and cfg.wandb_project else None,
+        out, steps, tokens_per_step=seq_len * global_batch, world_size=sp_size, flops=flops,
+        peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=output.tensorboard,
+        wandb_run=_start_wandb(output.wandb_project, run.flags, out) if rank0 and output.wandb_project else None,
     ) as step_logger:
-        for step in range(start_step, cfg.steps):
+        for step in range(start_step, steps):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
@@ -225,7 +230,7 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
                 sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
-                seed_step(cfg.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
+                seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
                     window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
                     loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
@@ -251,8 +256,8 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
                 step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
                 lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
                 # Unpacked windows are one causal stream each: no document count to show.
-                trained_tokens=trained, documents=documents if cfg.packed_documents else 1,
-                padding_share=padding / (cfg.seq_len * global_batch),
+                trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
+                padding_share=padding / (seq_len * global_batch),
                 **(mean_metrics(pair_metrics, layout) if dpo else {}),
             )
             stream.position += global_batch
@@ -265,49 +270,48 @@ def _train(cfg: TrainConfig, checked, on_step, given: TrainConfig, held: ExitSta
                 raise NonFiniteError(
                     f"step {done}: loss {loss_value}, grad_norm {grad_norm}: not finite; the run stops without "
                     f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
-                    f"{cfg.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
+                    f"{optim.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
                     "--lr <lower> (a new --lr applies on resume).")
             stopping = stop.agreed(layout, device)  # a SIGTERM, SIGINT or launcher's end on any rank (stop.py)
-            if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps or stopping:
+            if (output.save_every and done % output.save_every == 0) or done == steps or stopping:
                 if not finite_state(engine):
                     raise NonFiniteError(
                         f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
                         f"in the weights or optimizer state; the run stops without saving them. Last good checkpoint: "
-                        f"{latest_checkpoint(out) or 'none'}. Lower --lr (now {cfg.lr:g}) and continue from it with "
+                        f"{latest_checkpoint(out) or 'none'}. Lower --lr (now {optim.lr:g}) and continue from it with "
                         f"--resume --output-dir {out} --lr <lower>.")
-                save_checkpoint(engine, out, done, stream, keep=cfg.keep_checkpoints, writes=run_files.writes,
+                save_checkpoint(engine, out, done, stream, keep=output.keep_checkpoints, writes=run_files.writes,
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if on_step is not None:
                 on_step(done, record)
-            if stopping and done < cfg.steps:
-                raise Stopped(f"stopped at step {done} of {cfg.steps} by {stopping}; checkpoint "
+            if stopping and done < steps:
+                raise Stopped(f"stopped at step {done} of {steps} by {stopping}; checkpoint "
                               f"{latest_checkpoint(out)} written: --resume --output-dir {out} continues", stop.code)
 
-    if cfg.export:
-        export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=cfg.export_merged)
+    if output.export:
+        export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=output.export_merged)
     if rank0:
-        logger.info("done: %d steps in %s (checkpoint %s%s)", cfg.steps, out, latest_checkpoint(out),
-                    f", Hugging Face model {out / EXPORT_DIR}" if cfg.export else "")
+        logger.info("done: %d steps in %s (checkpoint %s%s)", steps, out, latest_checkpoint(out),
+                    f", Hugging Face model {out / EXPORT_DIR}" if output.export else "")
     return records
 
 
-def _apply_lr(scheduler, schedule: Schedule, cfg: TrainConfig) -> None:
-    """The resumed optimizer's lr and weight decay from `cfg` at the loaded step: the checkpoint holds the saved run's
-    (LambdaLR's base lr, the optimizer's groups), which a new --lr would otherwise leave in place."""
-    scheduler.base_lrs = [cfg.lr for _ in scheduler.base_lrs]
-    lr = cfg.lr * schedule(scheduler.last_epoch)
+def _apply_lr(scheduler, schedule: Schedule, optim: OptimSettings) -> None:
+    """The resumed optimizer's lr and weight decay from `optim` at the loaded step: the checkpoint holds the saved
+    run's (LambdaLR's base lr, the optimizer's groups), which a new --lr would otherwise leave in place."""
+    scheduler.base_lrs = [optim.lr for _ in scheduler.base_lrs]
+    lr = optim.lr * schedule(scheduler.last_epoch)
     for group in scheduler.optimizer.param_groups:
-        group["lr"], group["weight_decay"] = lr, cfg.weight_decay
+        group["lr"], group["weight_decay"] = lr, optim.weight_decay
     scheduler._last_lr = [lr for _ in scheduler.base_lrs]
 
 
-def _start_wandb(cfg: TrainConfig, out: Path):
+def _start_wandb(project: str, flags: TrainConfig, out: Path):
     import wandb
 
     # One W&B run per run directory: a resumed run continues it (its id is the directory's name).
     run_id = re.sub(r"[^\w-]", "-", out.name)  # W&B ids take letters, digits, '-' and '_'
-    return wandb.init(project=cfg.wandb_project, name=out.name, id=run_id, resume="allow", dir=str(out),
-                      config=asdict(cfg))
+    return wandb.init(project=project, name=out.name, id=run_id, resume="allow", dir=str(out), config=asdict(flags))
 
 
 def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:

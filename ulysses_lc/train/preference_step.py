@@ -35,38 +35,34 @@ METRICS = {"rewards/margins": "reward_margin", "rewards/accuracies": "reward_acc
            "rewards/chosen": "reward_chosen", "rewards/rejected": "reward_rejected"}
 
 
-def reference_kind(cfg) -> str:
-    """What the reference model is for this run: "copy", "adapters" or "precomputed"."""
-    if cfg.dpo_reference == "auto":
-        return "adapters" if cfg.lora_r else "copy"
-    return cfg.dpo_reference
-
-
-def check_pair_source(cfg) -> None:
-    """ValueError unless --data names preference rows --method dpo can read (cheap: the listing only)."""
-    src = parse_source(cfg.data, seed=cfg.seed, data_config=cfg.data_config)
+def check_pair_source(stream) -> None:
+    """ValueError unless --data names preference rows --method dpo can read (cheap: the listing only). stream:
+    settings.StreamSettings."""
+    src = parse_source(stream.source, seed=stream.shape.seed, data_config=stream.shape.data_config)
     if src.kind != "tiny" and not src.tabular:
-        raise ValueError(f"--method dpo trains preference rows (prompt / chosen / rejected): --data {cfg.data} is "
+        raise ValueError(f"--method dpo trains preference rows (prompt / chosen / rejected): --data {stream.source} is "
                          f"{src.kind} text. Pass a .jsonl/.json/.parquet/.csv of such rows (or a hub dataset of "
                          "them), or --data tiny for generated pairs.")
 
 
-def build_pair_stream(cfg, tokenizer) -> PairStream:
-    """Every pair of --data, tokenized and checked against --seq-len before any weight loads."""
-    src = parse_source(cfg.data, seed=cfg.seed, data_config=cfg.data_config)
-    return PairStream.build(src, tokenizer, cfg.seq_len, packing=cfg.packing)
+def build_pair_stream(stream, tokenizer) -> PairStream:
+    """Every pair of --data (stream: settings.StreamSettings), tokenized and checked against --seq-len before any
+    weight loads."""
+    src = parse_source(stream.source, seed=stream.shape.seed, data_config=stream.shape.data_config)
+    return PairStream.build(src, tokenizer, stream.seq_len, packing=stream.shape.packing)
 
 
-def load_reference(cfg, checked, device, layout: ParallelLayout):
-    """The frozen copy as a DeepSpeed ZeRO-3 engine without optimizer; None for the adapters-off and the precomputed
-    reference."""
-    if reference_kind(cfg) != "copy":
+def load_reference(run, checked, device, layout: ParallelLayout):
+    """The frozen copy (run: settings.RunSettings) as a DeepSpeed ZeRO-3 engine without optimizer; None for the
+    adapters-off and the precomputed reference."""
+    if run.objective.reference != "copy":
         return None
     import deepspeed
 
-    hf_model = load_model(cfg.model, checked.model_config, checked.dtype, cfg.seed, device, checked.ds_config)
-    wrapper = SequenceParallelCausalLM(hf_model.requires_grad_(False), layout, kernel=cfg.kernel,
-                                       attention_head_groups=cfg.attention_head_groups, checkpointing=False,
+    model = run.model
+    hf_model = load_model(model.name, checked.model_config, model.dtype, model.seed, device, checked.ds_config)
+    wrapper = SequenceParallelCausalLM(hf_model.requires_grad_(False), layout, kernel=model.kernel,
+                                       attention_head_groups=model.attention_head_groups, checkpointing=False,
                                        offload=False)
     config = {k: v for k, v in checked.ds_config.items() if k not in ("optimizer", "scheduler")}
     config["zero_optimization"] = {k: v for k, v in config.get("zero_optimization", {}).items()
@@ -79,11 +75,14 @@ def load_reference(cfg, checked, device, layout: ParallelLayout):
 class DPOStep:
     """One micro step's DPO loss for a sequence of pairs: (loss, metrics, completion tokens, documents, padding)."""
 
-    def __init__(self, cfg, layout: ParallelLayout, vocab_size: int, pad_token_id: int, reference=None):
-        self.loss = PreferenceLoss(cfg.dpo_beta, cfg.dpo_loss, cfg.dpo_label_smoothing)
-        self.layout, self.seq_len, self.vocab_size, self.pad_token_id = layout, cfg.seq_len, vocab_size, pad_token_id
+    def __init__(self, objective, seq_len: int, layout: ParallelLayout, vocab_size: int, pad_token_id: int,
+                 reference=None, adapters: bool = False):
+        """objective: settings.ObjectiveSettings; adapters: the model has LoRA adapters (a precomputed reference is
+        then the model with them off, else the model as loaded)."""
+        self.loss = PreferenceLoss(objective.dpo_beta, objective.dpo_loss, objective.dpo_label_smoothing)
+        self.layout, self.seq_len, self.vocab_size, self.pad_token_id = layout, seq_len, vocab_size, pad_token_id
         self.reference = reference
-        self.adapters_off = bool(cfg.lora_r)  # a precomputed reference: the adapters off, else the model as loaded
+        self.adapters_off = adapters
         self.precomputed = None  # window -> [2 x pairs] reference log-probabilities (`precompute`)
 
     def batch(self, pairs, device):
@@ -124,10 +123,11 @@ class DPOStep:
                 torch.tensor(completion, device=device), batch.n_documents, self.seq_len - batch.batch.seq_len)
 
 
-def reference_path(cfg, checked, stream: PairStream, cache_dir: Path) -> Path:
-    """Where the precomputed reference log-probabilities of this data under this model live in the token cache: keyed
-    on the data (its token ids and packing), the model name and its RoPE, precision and seed (random tiny weights)."""
-    key = repr((stream.stream_id, cfg.model, checked.rope, str(checked.dtype), cfg.seed, cfg.lora_r > 0))
+def reference_path(model, rope: str, stream: PairStream, cache_dir: Path) -> Path:
+    """Where the precomputed reference log-probabilities of this data under this model (settings.ModelSettings) live
+    in the token cache: keyed on the data (its token ids and packing), the model name and its RoPE (rope: what
+    yarn.plan_rope did), precision and seed (random tiny weights)."""
+    key = repr((stream.stream_id, model.name, rope, str(model.dtype), model.seed, model.lora_r > 0))
     return cache_dir / f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
@@ -142,4 +142,4 @@ def mean_metrics(per_micro: list[dict], layout: ParallelLayout) -> dict:
 
 
 __all__ = ["DPOStep", "METRICS", "build_pair_stream", "check_pair_source", "load_reference", "mean_metrics",
-           "reference_kind", "reference_path"]
+           "reference_path"]

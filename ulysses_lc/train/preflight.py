@@ -13,8 +13,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..mixers.attention import check_model_for_ulysses
 from ..data import parse_source
 from ..parallel.ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
@@ -22,10 +20,10 @@ from ..parallel.layout import ParallelLayout
 from ..peft_support import count_trainable_parameters, lora_config
 from ..levers.yarn import plan_rope
 from ..parallel.zero_reshard import check_complete
-from .run_state import CHECKPOINT_DIR, check_output_dir, find_latest_run, latest_tag, saved_layout
-from .config import TrainConfig
 from .loading import hub_offline, load_model_config
-from .resume import check_kept, resolve, saved_settings
+from .config import CheckFailed, as_check_failed
+from .run_state import CHECKPOINT_DIR, check_output_dir, latest_tag, saved_layout
+from .settings import RunSettings
 
 
 # (flag, its TrainConfig field, the module it imports, the pyproject extra that installs it)
@@ -36,34 +34,20 @@ OPTIONAL_PACKAGES = (
 )
 
 
-class CheckFailed(ValueError):
-    """A user mistake found before any collective; the message names the fix.
-
-    origin: where it was found ("rank 2 on node 1, host h"), when not every rank found it (job_watch.start).
-    """
-
-    def __init__(self, message: str, origin: str | None = None):
-        super().__init__(message)
-        self.origin = origin
-
-
 @dataclass
 class Checked:
-    """What the checks resolved, handed to the loop."""
+    """What the checks resolved from the settings and the launch, handed to the loop."""
 
     out: Path | None  # None: a new run directory, named once the ranks can agree on it
     ds_config: dict
     model_config: object  # YaRN applied
     sp_size: int
     world_size: int
-    dtype: torch.dtype
     peft_config: object = None  # --lora-r: the peft LoraConfig the model gets
     trainable_params: int | None = None  # --lora-r: the adapters' parameters (None: every parameter trains)
     global_batch: int = 1  # sequences per optimizer step: dp_size x gradient accumulation
     saved: dict | None = None  # --resume: the checkpoint's layout (run_state.saved_layout)
     rope: str = ""  # what yarn.plan_rope did, for the start-up block
-    cfg: TrainConfig | None = None  # the settings the run trains with: on --resume, the saved run's where not named
-    changed: dict | None = None  # --resume: the named changes that apply, {field: (saved, now)} (resume.resolve)
 
     @property
     def resharded(self) -> bool:
@@ -96,78 +80,69 @@ def raise_agreed(failure: BaseException | None, outcomes: list, table) -> None:
     raise CheckFailed(message, origin=f"{table.where(first)}{others}")
 
 
-def preflight(cfg: TrainConfig, world_size: int) -> Checked:
-    """Run every cheap check for `cfg` on `world_size` ranks; CheckFailed (a ValueError) names the fix."""
-    try:
-        return _preflight(cfg, world_size)
-    except CheckFailed:
-        raise
-    except ValueError as e:
-        raise CheckFailed(str(e)) from e
+def preflight(run: RunSettings, world_size: int) -> Checked:
+    """Run every cheap check of `run` on `world_size` ranks; CheckFailed (a ValueError) names the fix."""
+    with as_check_failed():
+        return _preflight(run, world_size)
 
 
-def _preflight(cfg: TrainConfig, world_size: int) -> Checked:
-    changed = {}
-    if cfg.resume and not cfg.dry_run:  # the saved run's settings first: its LoRA flags need not be repeated
-        cfg, changed = resolve(cfg, Path(cfg.output_dir) if cfg.output_dir else find_latest_run(cfg.model))
-    cfg.check()
-    sp_size = cfg.sp_size or world_size
+def _preflight(run: RunSettings, world_size: int) -> Checked:
+    stream, model = run.stream, run.model
+    sp_size = run.parallel.sp_size or world_size
     layout = ParallelLayout(world_size, sp_size)  # sizes only, no groups: ValueError when sp does not divide
-    # bf16 on GPUs, fp32 on CPU; a dry run predicts the GPU run.
-    dtype = torch.bfloat16 if cfg.dry_run or torch.cuda.is_available() else torch.float32
-    if cfg.seq_len < sp_size:
-        raise ValueError(f"--seq-len {cfg.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
-    out = None if cfg.dry_run else _check_output(cfg, sp_size, world_size)
-    saved = saved_layout(out, int(os.environ.get("RANK", "0"))) if cfg.resume and out is not None else None
+    if stream.seq_len < sp_size:
+        raise ValueError(f"--seq-len {stream.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
+    out = None if run.dry_run else _check_output(run.output)
+    saved = saved_layout(out, int(os.environ.get("RANK", "0"))) if run.output.resume and out is not None else None
     if saved is not None and saved["world_size"] != world_size:
         # Every old rank's ZeRO-3 file is read to reshard: missing ones fail here, on every rank, in seconds.
         check_complete(out / CHECKPOINT_DIR / latest_tag(out), saved["world_size"])
-    global_batch = _global_batch(cfg, layout, saved)
+    global_batch = _global_batch(run.parallel.global_batch, layout, saved)
     # The loop, schedule and checkpoints count optimizer steps: global_batch sequences each, ga per DP group.
-    ds_config = check_deepspeed_config(load_deepspeed_config(cfg.ds_config), layout,
+    ds_config = check_deepspeed_config(load_deepspeed_config(run.optim.ds_config), layout,
                                        gradient_accumulation_steps=global_batch // layout.dp_size)
-    check_optimizer_block(resolve_precision(ds_config, dtype), cfg.lr, cfg.weight_decay)
+    check_optimizer_block(resolve_precision(ds_config, model.dtype), run.optim.lr, run.optim.weight_decay)
     for flag, field, module, extra in OPTIONAL_PACKAGES:
-        if getattr(cfg, field):
+        if getattr(run.flags, field):
             try:
                 importlib.import_module(module)
             except ImportError as e:
                 raise ValueError(f"{flag} needs the {extra} package ({e}); pip install 'ulysses_lc[{extra}]' or drop "
                                  f"{flag}.") from e
-    source = parse_source(cfg.data, seed=cfg.seed)  # a missing path or unknown source name
-    if source.kind == "hub" and not cfg.dry_run and (offline := hub_offline()):
+    source = parse_source(stream.source, seed=run.seed)  # a missing path or unknown source name
+    if source.kind == "hub" and not run.dry_run and (offline := hub_offline()):
         # Its first rows are read before the weights load (data.check_source): without the hub that only fails later.
-        raise ValueError(f"--data {cfg.data} streams from the Hugging Face hub, which cannot be reached here "
+        raise ValueError(f"--data {stream.source} streams from the Hugging Face hub, which cannot be reached here "
                          f"({offline}); pass --data tiny (generated text) or local data files (.jsonl, .parquet, "
                          ".txt, or a folder of them).")
-    if cfg.method == "dpo":
+    if run.objective.dpo:
         from .preference_step import check_pair_source
 
-        check_pair_source(cfg)
-    model_config = load_model_config(cfg.model)
+        check_pair_source(stream)
+    model_config = load_model_config(model.name)
     check_model_for_ulysses(model_config, sp_size)
-    rope = plan_rope(model_config, cfg.seq_len, cfg.yarn_factor, rope_scaling=cfg.rope_scaling, sp_size=sp_size)
+    rope = plan_rope(model_config, stream.seq_len, model.yarn_factor, rope_scaling=model.rope_scaling, sp_size=sp_size)
     rope.apply(model_config)
     peft_config = trainable = None
-    if cfg.lora_r:
-        peft_config = lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
+    if model.lora_r:
+        peft_config = lora_config(model.lora_r, model.lora_alpha, model.lora_targets, model.lora_dropout)
         # On the meta device, in seconds: a target the model does not have fails here, before any weight loads.
         _, trainable = count_trainable_parameters(model_config, peft_config)
-    return Checked(out, ds_config, model_config, sp_size, world_size, dtype, peft_config, trainable, global_batch, saved,
-                   rope.summary, cfg, changed)
+    return Checked(out, ds_config, model_config, sp_size, world_size, peft_config, trainable, global_batch, saved,
+                   rope.summary)
 
 
-def _global_batch(cfg: TrainConfig, layout: ParallelLayout, saved: dict | None) -> int:
+def _global_batch(given: int | None, layout: ParallelLayout, saved: dict | None) -> int:
     """Sequences per optimizer step: --global-batch, else the resumed run's (so that its trajectory continues on any
     dp_size that divides it), else one per DP group. ValueError with the fix when dp_size does not divide it."""
     dp = layout.dp_size
     held = saved["global_batch"] if saved is not None else None
-    global_batch = cfg.global_batch or held or dp
+    global_batch = given or held or dp
     if global_batch % dp == 0:
         return global_batch
     fits = sorted({max(dp, global_batch // dp * dp), -(-global_batch // dp) * dp})
     options = " or ".join(f"--global-batch {n}" for n in fits)
-    if cfg.global_batch is None:
+    if given is None:
         raise ValueError(
             f"--resume: the run trained {held} sequences per optimizer step, which dp_size={dp} ({layout.world_size} "
             f"ranks / sp {layout.sp_size}) cannot split into equal shares. Keep the trajectory with a layout whose dp_size "
@@ -178,20 +153,14 @@ def _global_batch(cfg: TrainConfig, layout: ParallelLayout, saved: dict | None) 
                      f"{layout.sp_size}): every DP group trains the same number of sequences per step; pass {options}.")
 
 
-def _check_output(cfg: TrainConfig, sp_size: int, world_size: int) -> Path | None:
-    if cfg.output_dir is None and not cfg.resume:
+def _check_output(output) -> Path | None:
+    """The run folder (settings.OutputSettings.folder), checked: writable, and holding a checkpoint exactly when
+    resuming. None: a new folder under runs/, named once the ranks agree on it."""
+    if output.folder is None:
         _check_writable(Path("runs"), "the default runs/ folder")
         return None
-    if cfg.output_dir is None:
-        out = find_latest_run(cfg.model)
-    else:
-        out = Path(cfg.output_dir)
-        _check_writable(out, f"--output-dir {out}")
-    out = check_output_dir(cfg, sp_size, world_size, out)
-    saved = saved_settings(out) if cfg.resume else None
-    if saved is not None:
-        check_kept(cfg, saved, out)
-    return out
+    _check_writable(output.folder, f"--output-dir {output.folder}")
+    return check_output_dir(output.folder, output.resume)
 
 
 def _check_writable(out: Path, what: str) -> None:

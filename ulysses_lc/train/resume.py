@@ -66,7 +66,7 @@ INVOCATION = ("output_dir", "resume", "dry_run", "world_size", "gpus_per_node", 
 
 
 def _flag(field: str) -> str:
-    return "--" + {"wandb_project": "wandb", "export": "no-export"}.get(field, field.replace("_", "-"))
+    return "--" + {"wandb_project": "wandb"}.get(field, field.replace("_", "-"))
 
 
 def resolve(cfg: TrainConfig, out: Path | None) -> tuple[TrainConfig, dict]:

@@ -81,24 +81,25 @@ def find_latest_run(model: str) -> Path:
     return max(runs, key=lambda p: (p / CHECKPOINT_DIR / LATEST).stat().st_mtime)
 
 
-def check_output_dir(cfg, sp_size: int, world_size: int, out: Path) -> Path:
+def check_output_dir(out: Path, resume: bool) -> Path:
     """Refuse to overwrite another run's checkpoints; on --resume, require one (resume.check_kept: the same run)."""
     has_ckpt = (out / CHECKPOINT_DIR / LATEST).exists()
-    if has_ckpt and not cfg.resume:
+    if has_ckpt and not resume:
         raise ValueError(
             f"{out} already holds a checkpoint of a run; pass --resume to continue it, or choose another "
             "--output-dir (nothing is overwritten)."
         )
-    if cfg.resume and not has_ckpt:
+    if resume and not has_ckpt:
         raise ValueError(f"--resume: {out} holds no checkpoint to resume from; drop --resume to start a new run.")
     return out
 
 
-def write_run_file(out: Path, cfg, sp_size: int, world_size: int) -> None:
-    """Record what this run trains (checked by a later --resume). One rank per folder (files.folder_owner)."""
+def write_run_file(out: Path, flags, sp_size: int, world_size: int) -> None:
+    """Record what this run trains (flags: the TrainConfig as resolved, settings.RunSettings.flags), checked by a
+    later --resume. One rank per folder (files.folder_owner)."""
     out.mkdir(parents=True, exist_ok=True)
-    settings = load_deepspeed_config(cfg.ds_config)
-    (out / RUN_FILE).write_text(json.dumps({**asdict(cfg), SETTINGS: settings, "sp_size": sp_size,
+    settings = load_deepspeed_config(flags.ds_config)
+    (out / RUN_FILE).write_text(json.dumps({**asdict(flags), SETTINGS: settings, "sp_size": sp_size,
                                             "world_size": world_size}, indent=2))
 
 

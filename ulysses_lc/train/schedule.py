@@ -25,13 +25,13 @@ def _decay(kind: str, progress: float) -> float:
 class Schedule:
     """Multiplier of the base learning rate at optimizer step `step` (0-based): warmup, then the decay.
 
-    cfg: anything with steps, warmup_steps, lr_schedule and min_lr_ratio (a TrainConfig). extensions: (from_step,
-    factor there, last step) of each resume that changed the number of steps, oldest first.
+    optim: anything with steps, warmup_steps, lr_schedule and min_lr_ratio (settings.OptimSettings, a TrainConfig).
+    extensions: (from_step, factor there, last step) of each resume that changed the number of steps, oldest first.
     """
 
-    def __init__(self, cfg, steps: int | None = None, extensions=()):
-        self.kind, self.warmup, self.floor = cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr_ratio
-        self.steps = cfg.steps if steps is None else steps  # the first run's steps: the original curve
+    def __init__(self, optim, steps: int | None = None, extensions=()):
+        self.kind, self.warmup, self.floor = optim.lr_schedule, optim.warmup_steps, optim.min_lr_ratio
+        self.steps = optim.steps if steps is None else steps  # the first run's steps: the original curve
         self.extensions = [tuple(e) for e in extensions]
 
     @property
@@ -77,7 +77,7 @@ class Schedule:
         self.steps, self.extensions = state["steps"], [tuple(e) for e in state["extensions"]]
 
 
-def lr_lambda(cfg):
-    """The multiplier function of `cfg`'s schedule, as torch.optim.lr_scheduler.LambdaLR takes it (no extensions)."""
-    schedule = Schedule(cfg)
+def lr_lambda(optim):
+    """The multiplier function of `optim`'s schedule, as torch.optim.lr_scheduler.LambdaLR takes it (no extensions)."""
+    schedule = Schedule(optim)
     return lambda step: schedule(step)

@@ -1,0 +1,66 @@
+"""The memory model on a gated DeltaNet hybrid (Qwen3.5) against whole training steps measured on an H200.
+
+BENCHMARKS.md, "Whole steps of a Qwen3.5 shape": the Qwen3.5-0.8B shape (huggingface.co/Qwen/Qwen3.5-0.8B,
+config.json's text_config) with 8 of its 24 layers, a ZeRO-3 engine at sp 1, the plan `plan_step` made, the gated
+DeltaNet layers on the torch path; torch.cuda.max_memory_allocated (GB). The dry run's prediction for the plan used
+(sizing.Job.predict) holds each from above within 10%.
+"""
+
+import pytest
+from transformers import Qwen3Config, Qwen3_5TextConfig
+
+from ulysses_lc import MemoryPlan, ModelShape
+from ulysses_lc.mixers.linear_attention import recurrence_block_bytes
+from ulysses_lc.parallel.ds_config import load_deepspeed_config
+from ulysses_lc.plan.memory import plan_bytes, step_terms
+from ulysses_lc.plan.sizing import GB, Job
+from ulysses_lc.train.estimate import count_params
+
+
+def qwen35_08b(layers: int = 24) -> Qwen3_5TextConfig:
+    """Qwen/Qwen3.5-0.8B's text config (written here: no download), `layers` of its [3 DeltaNet, 1 full] x 6."""
+    return Qwen3_5TextConfig(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=layers,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                             linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                             linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=262144)
+
+
+# benchmarks/results/2026-12-01/hybrid_qwen3.5-0.8b-8layers.json; before the fix the model predicted 73.1, 93.3 and
+# 127.6 GB (1.48, 1.35, 1.23 of these).
+H200_POINTS = [  # layers, tokens, plan, measured
+    (8, 32768, (0, 0, 0), 49.46),  # every layer plain
+    (8, 262144, (8, 8, 8), 68.92),  # every layer checkpointed, its input on the GPU
+    (8, 437248, (8, 0, 8), 103.71),  # the dry run's longest: every input offloaded
+]
+
+
+@pytest.mark.parametrize("layers, tokens, plan, measured", H200_POINTS)
+def test_dry_run_prices_the_hybrid_step_measured_on_an_h200(layers, tokens, plan, measured):
+    config = qwen35_08b(layers)
+    job = Job.from_ds_config(ModelShape.from_config(config), count_params(config), 1, 1, load_deepspeed_config("zero3"))
+    predicted = job.predict(tokens, MemoryPlan(*plan)).gpu / GB
+    assert measured <= predicted <= 1.10 * measured, predicted
+
+
+def test_deltanet_layers_keep_no_attention_output():
+    # Only the full-attention layers (2 of 8) keep an attention output to skip their recompute's kernel, on the GPU
+    # or pinned on the host; an all-attention model's layers each keep one.
+    shape, dense = ModelShape.from_config(qwen35_08b(8)), ModelShape.from_config(Qwen3Config(
+        hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, vocab_size=248320))
+    tokens = 65536
+    hybrid, full = step_terms(shape, tokens), step_terms(dense, tokens)
+    assert hybrid.cached == pytest.approx(full.cached * 2 / 8)
+    kept_outputs = plan_bytes(shape, tokens, MemoryPlan(8, 0, 8))[1] - plan_bytes(shape, tokens, MemoryPlan(8, 0, 0))[1]
+    assert kept_outputs == pytest.approx(2 * full.cached, rel=1e-6)
+
+
+def test_a_plain_deltanet_layer_stores_its_recurrence_and_a_recomputed_one_rebuilds_it():
+    # A plain DeltaNet layer keeps its recurrence's block from its forward (a share of each plain layer) and its
+    # backward adds none on top; a checkpointed one builds the whole block again in its recompute.
+    shape = ModelShape.from_config(qwen35_08b(8))
+    tokens = 65536
+    block, terms = recurrence_block_bytes(shape, tokens, 1), step_terms(shape, tokens)
+    assert terms.plain > block * 6 / 8
+    assert terms.backward < block / 4
+    assert terms.recompute > block
