@@ -380,8 +380,8 @@ def test_a_full_disk_names_the_folder_and_the_bytes_and_the_run_resumes(tmp_path
         reference = run_shared(_disk_full_worker, 2, str(tmp_path), str(tmp_path / "roomy"), False, kind="deepspeed")[0]
         messages = run_shared(_disk_full_worker, 2, str(tmp_path), str(small / "run"), not mounted, kind="deepspeed")
         for message in messages:  # every rank stops with the cause
-            assert re.match(rf"saving the checkpoint in {re.escape(str(small))}/run/checkpoints/step4 failed at "
-                            r"\S+\.pt: its file system is full \(ENOSPC\)\. Each rank writes about [\d.]+ KB \(fp32 "
+            assert re.match(rf"saving the checkpoint in {re.escape(str(small))}/run/checkpoints(/step4)? failed at "
+                            r"\S+: its file system is full \(ENOSPC\)\. Each rank writes about [\d.]+ KB \(fp32 "
                             r"weights and optimizer moments\), the checkpoint about 1\.4 MB over 2 ranks; [\d.]+ \w+ "
                             r"is free there\. To go on, free [\d.]+ \w+ or more there, lower --keep-checkpoints "
                             r"\(now 2\), or pass another --output-dir; the previous checkpoint step2 is intact: "
@@ -400,6 +400,48 @@ def test_a_full_disk_names_the_folder_and_the_bytes_and_the_run_resumes(tmp_path
 
     text = dry_run(TrainConfig(model="tiny", data="tiny", seq_len=256, dry_run=True, world_size=2, host_memory_gb=8))
     assert "disk      a checkpoint takes 1.4 MB (12 bytes per trained parameter" in text, text
+
+
+def _late_disk_full_worker(rank, world_size, tmp, where):
+    import errno
+
+    import deepspeed.runtime.engine as ds_engine
+
+    import ulysses_lc.train.run_state as run_state
+    from ulysses_lc.train import TrainConfig, train
+
+    os.chdir(tmp)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # Rank 0's own small writes of a save: DeepSpeed's copy of zero_to_fp32.py beside the tags, then the manifest.
+    target, name = (ds_engine, "copyfile") if where == "script" else (run_state, "write_manifest")
+    real = getattr(target, name)
+    setattr(target, name, full)
+    try:
+        train(TrainConfig(model="tiny", data="tiny", seq_len=256, steps=2, lr=3e-3, save_every=2, cache_dir="cache",
+                          export=False, output_dir=where))
+    except OSError as e:
+        return str(e)
+    finally:
+        setattr(target, name, real)
+    return "saved"
+
+
+def test_a_full_disk_at_rank_0s_last_small_writes_stops_every_rank_with_the_cause(tmp_path):
+    """The disk can fill up at the writes only rank 0 makes after the ranks' files: a rank that raised alone there left
+    the others waiting in the save's last barrier (until the watch or a timeout ended them) and printed a bare
+    OSError."""
+    from tests._dist import run_shared
+
+    for where, at in [("script", r"checkpoints failed at zero_to_fp32\.py"),
+                      ("manifest", r"checkpoints/step2 failed at manifest\.json")]:
+        messages = run_shared(_late_disk_full_worker, 2, str(tmp_path), where, kind="deepspeed", timeout=120)
+        assert messages[0] == messages[1], messages
+        assert re.match(rf"saving the checkpoint in {where}/{at}: its file system is full \(ENOSPC\)\. .*; no earlier "
+                        r"checkpoint exists\. \(rank 0\)$", messages[0]), messages[0]
+        assert not (tmp_path / where / "checkpoints" / "latest").exists()
 
 
 def _resume_in(rank, world_size, tmp, cfg):

@@ -70,9 +70,9 @@ class _Summing:
 @contextmanager
 def recording_files(engine, failed: list):
     """Within: each file `engine` saves goes through a summing file; yields {file name: [bytes, crc32]}. A write that
-    fails (a full disk) is appended to `failed` as (path, OSError) instead of raised, so that this rank still meets
-    the others in DeepSpeed's barrier after the files and every rank can stop with the cause (save_checkpoint). The
-    engine's checkpoint engine gets its save back on exit."""
+    fails (a full disk), or DeepSpeed's copy of its recovery scripts, is appended to `failed` as (path, OSError)
+    instead of raised, so that this rank still meets the others in DeepSpeed's barrier after the files and every rank
+    can stop with the cause (save_checkpoint). The engine and its checkpoint engine get their methods back on exit."""
     written = {}
     checkpoint_engine = engine.checkpoint_engine
     serialization = getattr(checkpoint_engine, "zipfile_serialization", True)
@@ -92,11 +92,25 @@ def recording_files(engine, failed: list):
             return
         written[Path(path).name] = [summing.bytes, summing.crc]
 
+    copy_scripts = getattr(engine, "_copy_recovery_script", None)
+
+    def copy(save_path):  # DeepSpeed's rank 0 copies zero_to_fp32.py beside the tags at each save: a write too
+        if failed:
+            return
+        try:
+            copy_scripts(save_path)
+        except OSError as e:
+            failed.append((Path(e.filename or Path(save_path) / "zero_to_fp32.py"), e))
+
     checkpoint_engine.save = save  # an attribute of this instance, over its class's method: deleted on exit
+    if copy_scripts is not None:
+        engine._copy_recovery_script = copy
     try:
         yield written
     finally:
         del checkpoint_engine.save
+        if copy_scripts is not None:
+            del engine._copy_recovery_script
 
 
 def _os_error(e: BaseException | None) -> OSError | None:

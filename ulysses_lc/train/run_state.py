@@ -29,8 +29,8 @@ import torch
 
 from ..parallel.ds_config import load_deepspeed_config
 from ..parallel.zero_reshard import load_resharded, model_states_name, read_model_states, saved_partitions
-from .checkpoint_files import (SaveFailed, choose_checkpoint, recording_files, save_failure, state_bytes, verify,
-                               write_manifest)
+from .checkpoint_files import (MANIFEST, SaveFailed, choose_checkpoint, recording_files, save_failure, state_bytes,
+                               verify, write_manifest)
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
@@ -133,25 +133,38 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
                                              "layout": layout,
                                              "schedule": schedule.state_dict() if schedule is not None else None})
     world = torch.distributed.get_world_size()
-    failure = None if not failed else save_failure(
-        *failed[0], rank_bytes=state_bytes(engine), world_size=world, keep=keep,
-        previous=latest_tag(out) if (ckpt_dir / LATEST).is_file() else None)
+
+    def failure_of(path, error):
+        return save_failure(path, error, rank_bytes=state_bytes(engine), world_size=world, keep=keep,
+                            previous=latest_tag(out) if (ckpt_dir / LATEST).is_file() else None)
+
     every = [None] * world
-    torch.distributed.all_gather_object(every, (written, failure))  # also the barrier: every rank's files are written
-    failures = [(r, f) for r, (_, f) in enumerate(every) if f is not None]
-    if failures:  # every rank stops with the first failing rank's cause
-        rank, failure = failures[0]
-        raise SaveFailed(failure + (f" (rank {rank}" + (f" and {len(failures) - 1} more" if len(failures) > 1 else "")
-                                    + ")" if world > 1 else ""))
-    every = [w for w, _ in every]
+    torch.distributed.all_gather_object(every, (written, failure_of(*failed[0]) if failed else None))  # a barrier too
+    _stop_on_failure([f for _, f in every])
+    failure = None
     if owner:
-        write_manifest(ckpt_dir / f"step{step}", every)  # last in the tag, before `latest` names it
-        tmp = ckpt_dir / f".{LATEST}.tmp"
-        tmp.write_text(f"step{step}")
-        os.replace(tmp, ckpt_dir / LATEST)  # atomic: `latest` names the old tag or the new one, never half
-        if keep:
-            _prune(ckpt_dir, keep)
-    torch.distributed.barrier()
+        try:
+            write_manifest(ckpt_dir / f"step{step}", [w for w, _ in every])  # last in the tag, before `latest` names it
+            tmp = ckpt_dir / f".{LATEST}.tmp"
+            tmp.write_text(f"step{step}")
+            os.replace(tmp, ckpt_dir / LATEST)  # atomic: `latest` names the old tag or the new one, never half
+        except OSError as e:  # the disk filled up at the last small writes: every rank hears it, not only this one
+            failure = failure_of(Path(e.filename or ckpt_dir / f"step{step}" / MANIFEST), e)
+        else:
+            if keep:
+                _prune(ckpt_dir, keep)
+    every = [None] * world
+    torch.distributed.all_gather_object(every, failure)  # also the barrier: `latest` names the new tag
+    _stop_on_failure(every)
+
+
+def _stop_on_failure(failures: list[str | None]) -> None:
+    """Every rank raises SaveFailed with the first failing rank's cause, where any rank's write failed."""
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if failed:
+        rank, failure = failed[0]
+        others = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        raise SaveFailed(failure + (f" (rank {rank}{others})" if len(failures) > 1 else ""))
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
