@@ -86,6 +86,9 @@ def folder_owner(folder: Path, layout) -> FolderOwner:
                 path.rmdir()
             except OSError:
                 break
+    # Every node has removed what it made before any rank goes on: on a shared folder two nodes may each have made
+    # it, and a late rmdir of the other's would take away the folder the writer has just made again for its lock.
+    dist.barrier(group=layout.world_group)
     shared_by = every[nodes.index(node)]
     return FolderOwner(writes=first and node == min(shared_by), shared_by=shared_by, num_nodes=len(set(nodes)))
 
