@@ -641,6 +641,7 @@ def test_a_stop_under_way_outlives_the_loss_of_the_store(monkeypatch):
     watch = job_watch.JobWatch(RankTable(("a", "a"), (0, 0), (os.getpid(), os.getpid()), 0), GoneStore(), "t/",
                                node_timeout_s=60, stop_grace_s=25)
     watch._launchers = [2**31 - 1]  # no such process: the agent has ended
+    watch.stop_request.training = True  # in a step (the loop's first step set it)
 
     def end(report, *, speak, code=1):
         raise Ended(report.message)
