@@ -641,6 +641,7 @@ def test_a_stop_under_way_outlives_the_loss_of_the_store(monkeypatch):
     watch = job_watch.JobWatch(RankTable(("a", "a"), (0, 0), (os.getpid(), os.getpid()), 0), GoneStore(), "t/",
                                node_timeout_s=60, stop_grace_s=25)
     watch._launchers = [2**31 - 1]  # no such process: the agent has ended
+    watch.stop_request.training = True  # in a step (the loop's first step set it)
 
     def end(report, *, speak, code=1):
         raise Ended(report.message)
@@ -718,6 +719,86 @@ def test_a_job_of_one_process_stops_with_a_checkpoint_and_a_hung_save_ends_past_
     # Stopped at a step boundary: the steps before the stop and the resumed ones are the uninterrupted run's.
     logged = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     np.testing.assert_allclose(logged, result["reference"], rtol=1e-6)
+
+
+def _interrupted_in_checks(argv):
+    """Ctrl-C lands in the start-up checks, on this rank (the terminal's group: every rank), as the command line runs."""
+    import signal
+
+    import ulysses_lc.train.loop as loop
+    from ulysses_lc.train.cli import main
+
+    checks = loop.preflight
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return checks(*args, **kwargs)
+
+    loop.preflight = interrupted
+    main(argv)
+
+
+def test_ctrl_c_in_the_start_up_checks_stops_every_rank_with_one_line_and_no_traceback(tmp_path):
+    """Before the run's handlers are armed, Python's own SIGINT handler raises KeyboardInterrupt, which printed a
+    traceback on every rank and exited 1."""
+    import subprocess
+    import sys
+
+    from tests._dist import _free_port
+    from tests.test_run import _env
+
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    code = f"from tests.test_faults import _interrupted_in_checks; _interrupted_in_checks({PREEMPT_ARGS!r})"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**_env(), **env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [130, 130], outs
+    assert not any("Traceback" in out or "KeyboardInterrupt" in out for out in outs), outs
+    assert outs[0].strip().splitlines()[-1] == ("stopped by SIGINT (Ctrl-C) during the start-up checks, before "
+                                                "training started: nothing was trained or written; the same command "
+                                                "starts the run"), outs[0]
+    assert outs[1].strip() == "", outs[1]  # one line for the job, from rank 0
+    assert not (tmp_path / "run").exists()
+
+
+def _interrupted_while_loading(rank, world_size, tmp):
+    import signal
+
+    import ulysses_lc.train.loop as loop
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.stop import Stopped
+
+    os.chdir(tmp)
+    load = loop.load_model
+
+    def interrupted(*args, **kwargs):  # Ctrl-C to rank 1 alone while the weights load, after the watch is armed
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return load(*args, **kwargs)
+
+    loop.load_model = interrupted
+    try:
+        train(TrainConfig(model="tiny", data="tiny", seq_len=256, steps=50, lr=3e-3, save_every=1, export=False,
+                          cache_dir="cache", output_dir="run"))
+    except Stopped as e:
+        return str(e), e.code
+    finally:
+        loop.load_model = load
+    return None
+
+
+def test_a_stop_asked_while_the_run_starts_ends_it_before_a_step_on_every_rank(tmp_path):
+    """Without a check before the loop, the run trained (and saved) a first step, which can take minutes, and past
+    --stop-grace-s the watch ended it with a line about a step and checkpoint that never were."""
+    from tests._dist import run_shared
+
+    stops = run_shared(_interrupted_while_loading, 2, str(tmp_path), kind="deepspeed", timeout=240)
+    assert stops[0] is not None and stops[0] == stops[1], stops
+    message, code = stops[0]
+    assert code == 130 and message.startswith("stopped before training started by SIGINT (from the scheduler"), message
+    assert message.endswith("(rank 1): nothing was trained; the same command starts the run"), message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
 # -- blame (issue 30) ------------------------------------------------------------------------------------------

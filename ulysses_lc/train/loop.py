@@ -136,6 +136,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
         )
 
+    _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
     hf_model = load_model(model_settings.name, model_config, model_settings.dtype, run.seed, device, ds_config,
                           checked.peft_config)
@@ -215,6 +216,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                                  cached_attention_layers=plan.cache_attention_layers) \
         if device.type == "cuda" and not dpo else None  # DPO: pairs shorter than seq_len, a reference forward: "-"
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
+    _stop_before_start(stop, layout, device, out, output.resume)  # while the weights loaded and the engine started
+    stop.training = True
     records = []
     with RunLogger(
         out, steps, tokens_per_step=seq_len * global_batch, world_size=sp_size, flops=flops,
@@ -294,6 +297,16 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         logger.info("done: %d steps in %s (checkpoint %s%s)", steps, out, latest_checkpoint(out),
                     f", Hugging Face model {out / EXPORT_DIR}" if output.export else "")
     return records
+
+
+def _stop_before_start(stop: StopRequest, layout: ParallelLayout, device, out: Path, resume: bool) -> None:
+    """Collective: a stop asked during the start-up (a Ctrl-C while the data tokenized or the weights loaded) ends it
+    there, on every rank, before a step is trained: nothing is saved (a resume's checkpoint stays as it was)."""
+    stopping = stop.agreed(layout, device)
+    if stopping:
+        then = f"--resume --output-dir {out} continues from {latest_checkpoint(out)} as before" if resume else \
+            "nothing was trained; the same command starts the run"
+        raise Stopped(f"stopped before training started by {stopping}: {then}", stop.code)
 
 
 def _apply_lr(scheduler, schedule: Schedule, optim: OptimSettings) -> None:
