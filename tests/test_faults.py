@@ -83,7 +83,9 @@ def _resume_worker(rank, world_size, tmp):
         except NonFiniteError as e:
             result["nonfinite"] = str(e)
         result["div_latest"] = open("div/checkpoints/latest").read()
-        result["recovered"] = train_worker(rank, world_size, replace(base, output_dir="div", resume=True))
+        # With a DeepSpeed config that changes only logging and ZeRO-3's bucket and prefetch sizes: applied.
+        result["recovered"] = train_worker(rank, world_size, replace(base, output_dir="div", resume=True,
+                                                                     ds_config="ds_logging.json"))
     finally:
         logging.getLogger("ulysses_lc.train.loop").removeHandler(handler)
     result["lines"] = lines
@@ -94,8 +96,17 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
     from tests._dist import run_shared
     from tests.test_training import losses_of
 
+    from ulysses_lc.parallel.ds_config import load_deepspeed_config
+
+    zero3 = load_deepspeed_config("zero3")
+    (tmp_path / "ds_logging.json").write_text(json.dumps({**zero3, "steps_per_print": 1, "zero_optimization": {
+        **zero3["zero_optimization"], "reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 4096,
+        "stage3_param_persistence_threshold": 0}}))
     result = run_shared(_resume_worker, 2, str(tmp_path), kind="deepspeed")[0]
     text = "\n".join(result["lines"])
+    assert "--ds-config on resume: steps_per_print 1000000 -> 1, zero_optimization.reduce_bucket_size 500000000.0 " \
+           "-> 4096, zero_optimization.stage3_param_persistence_threshold 1000000.0 -> 0, " \
+           "zero_optimization.stage3_prefetch_bucket_size 500000000.0 -> 4096: logging, or how ZeRO schedules" in text
     # A longer run: the settings not named (seq_len 256, save_every 2, the cache) are the saved run's; the cosine
     # decay continues from the lr it had, with no jump, and says so.
     assert "--steps 4 -> 8: the cosine decay continues from" in text and "(no jump)" in text, text
@@ -114,7 +125,8 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
     assert "--lr 0.003 -> inf on resume" in text
     assert "step 3:" in message and "Last good checkpoint: div/checkpoints/step2." in message, message
     assert result["div_latest"] == "step2"
-    # The named checkpoint with a lower lr goes on, on the uninterrupted run's trajectory.
+    # The named checkpoint with a lower lr goes on, on the uninterrupted run's trajectory (its DeepSpeed config's
+    # smaller buckets and no persistent parameters schedule the same values).
     np.testing.assert_allclose(losses_of(result["recovered"]), losses_of(result["full"])[2:], rtol=1e-6)
 
 
@@ -151,7 +163,7 @@ def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path
 def test_a_resume_refuses_another_deepspeed_config_by_what_it_holds_not_by_its_name(tmp_path):
     from ulysses_lc.parallel.ds_config import load_deepspeed_config
     from ulysses_lc.train import TrainConfig, parse_args
-    from ulysses_lc.train.resume import resolve
+    from ulysses_lc.train.resume import _ABSENT as ABSENT, change_lines, resolve
     from ulysses_lc.train.run_state import write_run_file
 
     mine = tmp_path / "ds.json"
@@ -172,11 +184,40 @@ def test_a_resume_refuses_another_deepspeed_config_by_what_it_holds_not_by_its_n
         resolve(parse_args([*resume, str(tmp_path / "zero3"), "--ds-config", "zero3_offload_optimizer"]),
                 tmp_path / "zero3")
     # The run's own file edited since it started, the flag not repeated: refused too (the name alone would pass).
-    mine.write_text(json.dumps({**load_deepspeed_config("zero3"), "gradient_clipping": 0.5}))
+    zero3 = load_deepspeed_config("zero3")
+    mine.write_text(json.dumps({**zero3, "gradient_clipping": 0.5}))
     with pytest.raises(ValueError, match=r"\(gradient_clipping: 1\.0 -> 0\.5\); put the saved settings back "
                                          r"\(run\.json's ds_config_settings holds them\) or use another --output-dir "
                                          r"\(the DeepSpeed config cannot change on a resume: the optimizer state"):
         resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
+    # Logging and ZeRO-3's bucket and prefetch sizes apply, with a line; the trajectory is held by the resume in
+    # test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once.
+    logging_only = {**zero3, "steps_per_print": 5, "wall_clock_breakdown": True, "flops_profiler": {"enabled": False},
+                    "zero_optimization": {**zero3["zero_optimization"], "stage3_prefetch_bucket_size": 1000}}
+    mine.write_text(json.dumps(logging_only))
+    cfg, changed = resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
+    assert changed == {"ds_config_settings": (
+        {"flops_profiler": ABSENT, "steps_per_print": 1000000, "wall_clock_breakdown": False,
+         "zero_optimization.stage3_prefetch_bucket_size": 5e8},
+        {"flops_profiler": {"enabled": False}, "steps_per_print": 5, "wall_clock_breakdown": True,
+         "zero_optimization.stage3_prefetch_bucket_size": 1000})}, changed
+    assert change_lines(changed) == [
+        "--ds-config on resume: flops_profiler absent -> {'enabled': False}, steps_per_print 1000000 -> 5, "
+        "wall_clock_breakdown False -> True, zero_optimization.stage3_prefetch_bucket_size 500000000.0 -> 1000: "
+        "logging, or how ZeRO schedules the same gathers and reductions (the trained values do not change)"]
+    # What changes the trained values stays refused, each with the reason, also beside a change that would apply.
+    for edit, shown in [({"zero_optimization": {**zero3["zero_optimization"], "stage": 2}},
+                         r"zero_optimization\.stage: 3 -> 2"),
+                        ({"bf16": {"enabled": False}, "fp16": {"enabled": True}},
+                         r"bf16\.enabled: 'auto' -> False; fp16: absent -> \{'enabled': True\}"),
+                        ({"optimizer": {"type": "Lamb"}}, r"optimizer: absent -> \{'type': 'Lamb'\}"),
+                        ({"gradient_clipping": 0.0, "steps_per_print": 5}, r"\(gradient_clipping: 1\.0 -> 0\.0\);"),
+                        ({"zero_optimization": {**zero3["zero_optimization"], "offload_optimizer": {"device": "cpu"},
+                                                "reduce_bucket_size": 1e6}},
+                         r"\(zero_optimization\.offload_optimizer: absent -> \{'device': 'cpu'\}\);")]:
+        mine.write_text(json.dumps({**zero3, **edit}))
+        with pytest.raises(ValueError, match=shown + r".*the optimizer state was saved in this config's form"):
+            resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
 
 
 # -- verified checkpoints (issue 30) --------------------------------------------------------------------------
