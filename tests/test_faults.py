@@ -485,6 +485,92 @@ def test_a_full_disk_at_rank_0s_last_small_writes_stops_every_rank_with_the_caus
         assert not (tmp_path / where / "checkpoints" / "latest").exists()
 
 
+def _disk_full_at_run_files_worker(rank, world_size, tmp):
+    """The disk fills up at rank 0's metrics.jsonl line of step 3 (half of it written), then at run.json's rewrite by
+    the resume, then at a new run's run.json: a rank that raised alone there left the other in the next collective."""
+    import errno
+    from dataclasses import replace
+
+    import ulysses_lc.plan.metrics as metrics
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.checkpoint_files import SaveFailed
+
+    os.chdir(tmp)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=2, cache_dir="cache",
+                      export=False, output_dir="run")
+    result = {"reference": [r["loss"] for r in train(replace(cfg, output_dir="reference"))]}
+    full, write_text = [], Path.write_text
+
+    class CutShort:  # a file whose write stops half-way: the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(path, *args, **kwargs):
+        f = open(path, *args, **kwargs)
+        return CutShort(f) if full and Path(path).name == "metrics.jsonl" else f
+
+    def full_write_text(path, *args, **kwargs):
+        if full and path.name in ("run.json", ".run.json.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, *args, **kwargs)
+
+    metrics.open, Path.write_text = full_open, full_write_text
+    try:
+        for case, run_cfg in [("metrics", cfg), ("resume", replace(cfg, resume=True)),
+                              ("new", replace(cfg, output_dir="new"))]:
+            full.clear()
+            if case != "metrics":
+                full.append(0)
+                result["run.json"] = Path("run/run.json").read_bytes()
+            try:
+                train(run_cfg, on_step=lambda step, record: full.append(step) if step == 2 else None)
+            except SaveFailed as e:
+                result[case] = str(e)
+            if case == "resume":
+                result["run.json kept"] = Path("run/run.json").read_bytes() == result["run.json"]
+    finally:
+        del metrics.open
+        Path.write_text = write_text
+    result["latest"] = Path("run/checkpoints/latest").read_text()
+    result["resumed"] = [r["loss"] for r in train(replace(cfg, resume=True))]  # nothing saved before was lost
+    result["logged"] = [json.loads(line) for line in Path("run/metrics.jsonl").read_text().splitlines()]
+    return result
+
+
+def test_a_full_disk_at_metrics_jsonl_or_run_json_stops_every_rank_with_the_cause_and_loses_nothing(tmp_path):
+    from tests._dist import run_shared
+
+    results = run_shared(_disk_full_at_run_files_worker, 2, str(tmp_path), kind="deepspeed", timeout=240)
+    for case in ("metrics", "resume", "new"):
+        assert results[0][case] == results[1][case], (case, results[0][case], results[1][case])  # every rank
+    assert re.match(r"step 3: writing metrics\.jsonl in run failed: its file system is full \(ENOSPC\); [\d.]+ \w+ is "
+                    r"free there\. To go on, free space there or pass another --output-dir; the checkpoint "
+                    r"run/checkpoints/step2 is intact: --resume continues from it\. \(rank 0\)$",
+                    results[0]["metrics"]), results[0]["metrics"]
+    assert re.match(r"writing run\.json in run failed: its file system is full \(ENOSPC\); .* the checkpoint "
+                    r"run/checkpoints/step2 is intact", results[0]["resume"]), results[0]["resume"]
+    assert re.match(r"writing run\.json in new failed: .*; no checkpoint exists yet\. \(rank 0\)$",
+                    results[0]["new"]), results[0]["new"]
+    result = results[0]
+    assert result["run.json kept"] and result["latest"] == "step2"
+    # Nothing saved before is lost: the resume from step 2 is the uninterrupted run's, metrics.jsonl holds each step
+    # once (step 3's half line dropped), its first two lines as the first run wrote them.
+    np.testing.assert_allclose(result["resumed"], result["reference"][2:], rtol=1e-6)
+    assert [m["step"] for m in result["logged"]] == [1, 2, 3, 4]
+    np.testing.assert_allclose([m["loss"] for m in result["logged"]], result["reference"], rtol=1e-6)
+
+
 def _resume_in(rank, world_size, tmp, cfg):
     from tests.test_training import train_worker
 
@@ -583,11 +669,15 @@ def _reference_and_resume(rank, world_size, tmp, steps):
                                                                                           resume=True))
 
 
-@pytest.mark.parametrize("launcher,target", [("deepspeed", "launcher"), ("torchrun", "group")])
-def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_goes_on(tmp_path, launcher, target):
-    """SIGTERM to DeepSpeed's runner alone (it forwards nothing: the ranks see it end), or to torchrun's whole process
-    group (every rank and the agent, which forwards it again): every rank stops at one step boundary, saves there
-    (--save-every 0: no other checkpoint), and exits; the resume continues the uninterrupted run."""
+@pytest.mark.parametrize("launcher,target,signame", [("deepspeed", "launcher", "SIGTERM"), ("torchrun", "group", "SIGTERM"),
+                                                   ("torchrun", "launcher", "SIGTERM"), ("deepspeed", "group", "SIGINT")])
+def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_goes_on(tmp_path, launcher, target,
+                                                                                       signame):
+    """SIGTERM to DeepSpeed's runner alone (it forwards nothing: the ranks see it end), to torchrun's whole process
+    group (every rank and the agent, which forwards it again) or to its agent alone (which forwards it, then SIGKILLs
+    the ranks 30 s later), or Ctrl-C under DeepSpeed's launcher (SIGINT to the runner, launch.py and every rank;
+    launch.py then SIGTERMs the ranks one by one and waits for each): every rank stops at one step boundary, saves
+    there (--save-every 0: no other checkpoint), and exits; the resume continues the uninterrupted run."""
     import signal
     import subprocess
 
@@ -609,13 +699,13 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train" in " ".join(p.cmdline())
              and "launch" not in " ".join(p.cmdline())]
     if target == "launcher":
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, getattr(signal, signame))
     else:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, getattr(signal, signame))
     out = "".join(seen) + proc.stdout.read()  # until every process holding the pipe (the ranks) has exited
     proc.wait(timeout=120)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), out
-    why = "its launcher (pid" if target == "launcher" else "SIGTERM (from the scheduler"
+    why = "its launcher (pid" if (launcher, target) == ("deepspeed", "launcher") else f"{signame} (from the scheduler"
     stopped = [line for line in out.splitlines() if line.startswith("stopped at step ")]
     assert len(stopped) == 1 and why in stopped[0], out
     step = int(stopped[0].split()[3])

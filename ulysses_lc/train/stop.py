@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .checkpoint_files import raise_first_failure
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LAUNCHERS = ("torch.distributed.run", "torchrun", "deepspeed", "accelerate", "mpirun")
 
@@ -70,12 +72,19 @@ class StopRequest:
                 f"{self.grace_s:g}: exits without a new checkpoint (raise --stop-grace-s where a step and a save "
                 "take longer)")
 
-    def agreed(self, layout, device) -> str | None:
-        """Collective at a step boundary: this rank's reason, or another rank's stop, or None to go on."""
-        flag = torch.tensor([0 if self.reason is None else self.code], device=device)
+    def agreed(self, layout, device, failure: str | None = None) -> str | None:
+        """Collective at a step boundary: this rank's reason, or another rank's stop, or None to go on. failure: this
+        rank's write that failed in the step (metrics.jsonl, rank 0's), which every rank raises (SaveFailed)."""
+        flag = torch.tensor([0 if self.reason is None else self.code, int(failure is not None)], device=device)
         if layout.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.world_group)
-        code = int(flag.item())
+        code, failed = flag.tolist()
+        if failed:
+            every = [failure]
+            if layout.world_size > 1:
+                every = [None] * layout.world_size
+                dist.all_gather_object(every, failure, group=layout.world_group)
+            raise_first_failure(every)
         if not code:
             return None
         every = [self.reason]  # once, at the stop: what each rank was asked, so every rank says the first one
