@@ -980,7 +980,49 @@ def test_rank_0_killed_is_named_in_the_last_lines_on_every_launcher(tmp_path, la
     assert ours, out
     if launcher == "torchrun":  # its closing summary, printed last, names the root cause by global rank
         assert "rank      : 0 (local_rank: 0)" in "\n".join(lines[-6:]) and "SIGKILL" in lines[-2], lines[-8:]
-    elif launcher == "deepspeed":  # then launch.py's lines: "Killing subprocess" for each, and rank 0's exit code
-        assert ours[-1] >= len(lines) - 4 and lines[-1].endswith("exits with return code = -9"), lines[-6:]
+    elif launcher == "deepspeed":  # launch.py's "Killing subprocess" for each, the cause again, rank 0's exit code
+        assert ours[-1] == len(lines) - 2 and lines[-1].endswith("exits with return code = -9"), lines[-6:]
+        assert "Killing subprocess" in lines[-3], lines[-6:]
     else:
         assert ours[-1] == len(lines) - 1, lines[-4:]  # the survivor's last line
+
+
+FAILING_RANK_0 = """
+import sys
+
+import ulysses_lc.train.loop as loop
+from ulysses_lc.train.cli import main
+
+shard_batch, calls = loop.shard_batch, []
+
+
+def failing_shard_batch(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3 and loop.torch.distributed.get_rank() == 0:
+        raise RuntimeError("injected failure on rank 0 at step 3")
+    return shard_batch(*args, **kwargs)
+
+
+loop.shard_batch = failing_shard_batch
+main(sys.argv[1:])
+"""
+
+
+def test_under_deepspeeds_launcher_the_cause_follows_its_kill_lines(tmp_path):
+    """DeepSpeed's launch.py, once a rank exits non-zero, prints "Killing subprocess <pid>" for each rank, ending each
+    in turn, then its exit code: the failing rank's line came before all of them. The last live rank, ended last,
+    prints the cause again, so only the exit code's line follows it (job_table.ends_last)."""
+    import subprocess
+
+    from tests._dist import _free_port
+    from tests.test_run import LAUNCHERS, _env
+
+    script = tmp_path / "failing_rank_0.py"
+    script.write_text(FAILING_RANK_0)
+    args = ["--steps", "20", "--seq-len", "256", "--no-export", "--output-dir", "run"]
+    proc = subprocess.run([*LAUNCHERS["deepspeed"](_free_port()), str(script), *args], cwd=tmp_path, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    cause = "error (rank 0 on node 0, host "
+    assert lines[-2].startswith(cause) and "RuntimeError: injected failure on rank 0 at step 3" in lines[-2], lines[-8:]
+    assert "Killing subprocess" in lines[-3] and lines[-1].endswith("exits with return code = 1"), lines[-8:]
