@@ -12,6 +12,8 @@
 #       one step (the first): step time and rank 0's peak against the dry run's (within 10%), the plans compared.
 #       Estimate: the weights written ~1 min, the job's start and host buffers ~2 min, the step ~5.5 min (the dry run
 #       on this CPU predicts 312 s; one GPU took 204 s at 262,144 tokens).
+#   bash benchmarks/two_gpu.sh OUT tests    # ~3 min: tests/test_nccl_sp.py (sp 2 against sp 1 over NCCL, every family)
+#       and tests/test_nccl_faults.py (a rank SIGKILLed mid-step), their output in OUT/two_gpu_tests.log
 #   bash benchmarks/two_gpu.sh OUT all --smoke   # on CPU (gloo, deepspeed --num_gpus 2), a tiny shape: ~2 min
 #
 # Each part writes OUT/two_gpu_<part>.json (after each phase) and OUT/logs/, and prints a short table last. The whole
@@ -22,10 +24,15 @@
 #   bash benchmarks/two_gpu.sh $OUT/resume resume
 set -euo pipefail
 out=${1:?output dir}
-part=${2:?part: resume, lora8b or all}
+part=${2:?part: tests, resume, lora8b or all}
 shift 2
 cd "$(dirname "$0")/.."   # the checkout root
 export HF_HUB_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
+if [ "$part" = tests ]; then
+  python3 -m pytest tests/test_nccl_sp.py tests/test_nccl_faults.py -q -s -rs "$@" 2>&1 | tee "$out/two_gpu_tests.log" \
+    | grep -E "rank [01]|killed|passed|failed|skipped|Error" | tail -n 40
+  exit
+fi
 python3 benchmarks/two_gpu.py "$part" --out "$out" "$@" 2>&1 | tee "$out/two_gpu_$part.log" | tail -n 20
