@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from . import deltanet_time, memory_model
 from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
-from ..shape import ModelShape
+from ..mixers.flex_window import rate_vs_causal
+from ..shape import ModelShape, window_pairs
 
 GB = 1e9
 
@@ -263,9 +264,10 @@ class Job:
 
     def step_seconds(self, seq_len: int, plan: MemoryPlan) -> float:
         """Predicted seconds of one step from its FLOPs (metrics.model_flops_per_step, the plan's recompute) at
-        the rates measured on an H200 (below), the gated DeltaNet layers on the torch path (deltanet_time.py, where
-        the rule picks it) at their measured cost per token instead of their FLOPs; packed documents take less
-        (their attention is block-diagonal)."""
+        the rates measured on an H200 (below), sliding-window layers at their kernel's measured share of that rate
+        (flex_window.rate_vs_causal), the gated DeltaNet layers on the torch path (deltanet_time.py, where the rule
+        picks it) at their measured cost per token instead of their FLOPs; packed documents take less (their
+        attention is block-diagonal)."""
         shape = self.shape
         torch_path = bool(shape.linear_layers) and deltanet_time.deltanet_path(self.deltanet)[0] == "torch"
         if torch_path:  # the recurrence's FLOPs left out: the torch path's measured cost replaces them
@@ -275,6 +277,7 @@ class Job:
         attn_fwd = flops.attention / 3
         recomputed_fwd = attn_fwd * (plan.recompute_layers - plan.cache_attention_layers) / self.shape.layers
         attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / ATTENTION_FLOPS_PER_S
+        attention += _window_extra(self.shape, seq_len, plan)
         dense = (flops.hardware - flops.attention - recomputed_fwd) / MATMUL_FLOPS_PER_S
         tokens = -(-seq_len // self.sp_size)
         rest = ELEMENTWISE_S_PER_TOKEN * tokens * self.shape.layers * self.shape.hidden / 1024
@@ -286,6 +289,22 @@ class Job:
         recurrence = (deltanet_time.torch_path_seconds(self.shape, seq_len, self.sp_size, plan.recompute_layers)
                       if torch_path else 0.0)
         return (attention + dense) / self.sp_size + rest + exchange + recurrence
+
+
+def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan) -> float:
+    """Seconds the window layers take beyond their FLOPs at the causal rate: the window kernel's lower rate
+    (flex_window.rate_vs_causal, flex being what window_attention picks on a GPU), on the forward, backward and
+    the recompute's share of forwards."""
+    windows = shape.layer_windows or ()
+    linear = shape.linear_layers or (False,) * shape.layers
+    recompute_share = (plan.recompute_layers - plan.cache_attention_layers) / shape.layers
+    extra = 0.0
+    for w, lin in zip(windows, linear):
+        if w is None or lin or w >= seq_len:
+            continue
+        fwd = 4.0 * window_pairs(seq_len, w) * shape.heads * shape.head_dim
+        extra += (ATTENTION_PASSES + recompute_share) * fwd * (1 / rate_vs_causal(w) - 1)
+    return extra / ATTENTION_FLOPS_PER_S
 
 
 def zero3_offload(ds_config: dict) -> tuple[bool, bool]:
