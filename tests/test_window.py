@@ -239,3 +239,31 @@ def test_step_estimate_prices_window_layers_at_the_window_kernels_rate():
                                                  * shape.head_dim * shape.layers / ATTENTION_FLOPS_PER_S)
     assert abs(extra - at_causal_rate / rate_vs_causal(1024)) <= 1e-6 * extra
     assert rate_vs_causal(128) < rate_vs_causal(1024) < rate_vs_causal(4096) <= rate_vs_causal(1 << 20)
+
+
+@pytest.mark.parametrize("s,window,bounds", [(1000, 40, None), (1000, 200, (0, 300, 301, 777, 1000)), (513, 128, None)])
+def test_flex_block_mask_transposes_for_the_backward(s, window, bounds):
+    """The key-block lists span all key blocks, so BlockMask's transpose (the query blocks per key block, which
+    flex's backward walks) is the band's: against torch's create_block_mask over the same mask, block by block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ulysses_lc.mixers.flex_window import FLEX_BLOCK, block_mask
+
+    ours = block_mask(s, window, bounds, torch.device("cpu"))
+    theirs = create_block_mask(ours.mask_mod, None, None, s, s, device="cpu", BLOCK_SIZE=FLEX_BLOCK)
+    n = -(-s // FLEX_BLOCK)
+
+    def dense(num, idx):
+        out = torch.zeros(n, n, dtype=torch.bool)
+        for r in range(n):
+            out[r, idx[0, 0, r, :num[0, 0, r]].long()] = True
+        return out
+
+    for side in ("kv", "q"):
+        mine = dense(getattr(ours, f"{side}_num_blocks"), getattr(ours, f"{side}_indices"))
+        mine_full = dense(getattr(ours, f"full_{side}_num_blocks"), getattr(ours, f"full_{side}_indices"))
+        want = dense(getattr(theirs, f"{side}_num_blocks"), getattr(theirs, f"{side}_indices"))
+        want_full = dense(getattr(theirs, f"full_{side}_num_blocks"), getattr(theirs, f"full_{side}_indices"))
+        assert not ((want | want_full) & ~(mine | mine_full)).any()  # every visible block listed
+        assert not (mine_full & ~want_full).any()  # full only where wholly visible
+        assert not (mine & ~(want | want_full)).any()  # no block listed that holds nothing

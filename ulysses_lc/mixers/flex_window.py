@@ -72,8 +72,10 @@ def _doc_ids(s: int, bounds, device) -> torch.Tensor:
 
 
 def band_blocks(s: int, window: int | None, bounds=None, block: int = FLEX_BLOCK):
-    """The block mask's entries for the band: (kv_num_blocks [n], kv_indices [n, W], full_num [n], full_indices
-    [n, W]) over n = ceil(s / block) query blocks; partial blocks run the mask, full ones do not. CPU int32."""
+    """The block mask's entries for the band: (kv_num_blocks [n], kv_indices [n, n], full_num [n], full_indices
+    [n, n]) over n = ceil(s / block) query blocks, each row's listed key blocks first (BlockMask.from_kv_blocks
+    reads the last dim as the key blocks' count, to transpose them for the backward); partial blocks run the mask,
+    full ones do not. CPU int32."""
     n = -(-s // block)
     m = torch.arange(n)
     first_row, last_row = m * block, torch.clamp((m + 1) * block - 1, max=s - 1)
@@ -94,11 +96,12 @@ def band_blocks(s: int, window: int | None, bounds=None, block: int = FLEX_BLOCK
         full &= doc_of[key_first.clamp(max=s - 1)] == doc_of[last_row][:, None]
     partial = valid & ~full
 
-    def pack(sel):
+    def pack(sel):  # BlockMask's layout: the listed key blocks first, in order, padded to all n key blocks
         num = sel.sum(1)
-        order = torch.sort((~sel).to(torch.int8), dim=1, stable=True).indices  # selected columns first, in order
-        idx = torch.gather(torch.where(sel, cols, 0), 1, order)
-        return num.to(torch.int32), idx.to(torch.int32).contiguous()
+        order = torch.sort((~sel).to(torch.int8), dim=1, stable=True).indices
+        idx = torch.zeros(n, n, dtype=torch.int32)
+        idx[:, :width] = torch.gather(torch.where(sel, cols, 0), 1, order)[:, :n]
+        return num.to(torch.int32), idx
 
     return (*pack(partial), *pack(full))
 

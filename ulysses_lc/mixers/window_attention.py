@@ -301,7 +301,8 @@ class WindowAttention(torch.autograd.Function):
 
 
 def _is_compile_error(e: BaseException) -> bool:
-    """torch.compile's own failures (dynamo, inductor, a Triton build): no kernel for these inputs here."""
+    """torch.compile's own failures (dynamo, inductor, a Triton build): no kernel for these inputs here. A CUDA
+    error (an AcceleratorError) is none: it propagates."""
     return type(e).__module__.startswith(("torch._dynamo", "torch._inductor", "triton"))
 
 
@@ -328,7 +329,7 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
             try:
                 return flex_window_attention(q_bhsd, k_bhsd, v_bhsd, scale, window, sinks_h, bounds)
             except Exception as e:  # noqa: BLE001 - a compile failure is flex refusing these inputs; the rest propagates
-                if not (_is_compile_error(e) or isinstance(e, RuntimeError) and fallbacks.is_no_kernel_error(e)):
+                if not (_is_compile_error(e) or isinstance(e, NotImplementedError)):
                     raise
                 fallbacks.record(key, e)
         if how == "flex":
