@@ -14,8 +14,8 @@ Candidates (ulysses_lc.mixers.window_attention unless said): band_cudnn (two bat
 band_flash (the same through SDPA's FLASH ops), flash_window (one call of torch's FLASH kernel with its window),
 band_cudnn_sinks (the band with gpt-oss sinks), flex (torch.nn.attention.flex_attention as its docs show it:
 compiled, create_block_mask over a sliding-window mask_mod), auto / auto_sinks (the library's default,
-window_attention with how="auto": on a GPU flex_window.py's call, its own block mask, sinks through the
-log-sum-exp). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
+window_attention with how="auto"), flex_lib / flex_lib_sinks (its opt-in flex path, how="flex": flex_window.py's
+call, its own block mask, sinks through the log-sum-exp). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
 length that is no multiple of the window): rel_err is the largest relative error norm over out, dq, dk, dv.
 Each run prints its JSON rows as it goes, a table last, and writes <out>/window_results.json.
 """
@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # (name, q heads, kv heads, head dim, window) from the public configs.
 HEAD_SHAPES = [("gpt-oss-20b", 64, 8, 64, 128), ("gemma3-27b", 32, 16, 128, 1024), ("mistral-7b", 32, 8, 128, 4096)]
-CANDIDATES = ["band_cudnn", "band_flash", "flash_window", "band_cudnn_sinks", "flex", "auto", "auto_sinks"]
-COMPILED = {"flex", "auto", "auto_sinks"}  # torch.compile'd (the slowest to start): run after the others
+CANDIDATES = ["band_cudnn", "band_flash", "flash_window", "band_cudnn_sinks", "auto", "auto_sinks", "flex", "flex_lib",
+              "flex_lib_sinks"]
+COMPILED = {"flex", "flex_lib", "flex_lib_sinks"}  # torch.compile'd (the slowest to start): run after the others
 # gpt-oss-20b (openai/gpt-oss-20b config.json): 24 layers, 32 experts of which 4 per token.
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, vocab_size=201088, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
@@ -91,13 +92,14 @@ def _attend(name, window, sinks=None):
             BACKENDS_SEEN.add((name, seen[0][1]))
             return out
         return fn
-    if name in ("auto", "auto_sinks"):  # the library's default: what a model's window layer runs
+    if name in ("auto", "auto_sinks", "flex_lib", "flex_lib_sinks"):  # the library's default, and its flex path
 
         def fn(q, k, v):
             from ulysses_lc.mixers.window_attention import resolve_how
 
-            BACKENDS_SEEN.add((name, resolve_how("auto", q.device, window)))
-            return window_attention(q, k, v, None, window, sinks if name == "auto_sinks" else None)
+            how = "flex" if name.startswith("flex") else "auto"
+            BACKENDS_SEEN.add((name, resolve_how(how, q.device, window)))
+            return window_attention(q, k, v, None, window, sinks if name.endswith("sinks") else None, how=how)
         return fn
     if name == "causal_cudnn":
         from ulysses_lc.mixers.kernels import causal_attention

@@ -212,7 +212,7 @@ def test_flex_sink_scale_backward_is_its_derivative():
     assert torch.autograd.gradcheck(SinkScale.apply, tuple(x.requires_grad_() for x in (out, lse, sinks)))
 
 
-def test_flex_is_cuda_only_and_auto_keeps_the_band_on_cpu():
+def test_flex_is_cuda_only_and_auto_is_the_band_on_cpu():
     from ulysses_lc.mixers.window_attention import resolve_how
 
     q, k, v, _ = _inputs(1, 2, 2, 8, 8, False)
@@ -222,48 +222,32 @@ def test_flex_is_cuda_only_and_auto_keeps_the_band_on_cpu():
 
 
 def test_step_estimate_prices_window_layers_at_the_window_kernels_rate():
-    from ulysses_lc.mixers.flex_window import rate_vs_causal
+    """A window layer costs its FLOPs at the causal rate over the rate measured for the kernel auto picks on a GPU."""
     from ulysses_lc.plan.memory import MemoryPlan
     from ulysses_lc.plan.sizing import ATTENTION_FLOPS_PER_S, ATTENTION_PASSES, Job
     from ulysses_lc.shape import window_pairs
+    from ulysses_lc.mixers.window_attention import rate_vs_causal, resolve_how
 
-    config = tiny_config("mistral", sliding_window=1024)
-    shape = ModelShape.from_config(config)
+    shape = ModelShape.from_config(tiny_config("mistral", sliding_window=1024))
     plan, seq = MemoryPlan(0, 0, 0), 65536
     windowed = Job(shape, 1_000_000, 1, 1)
     unwindowed = Job(ModelShape.from_config(tiny_config("mistral", sliding_window=None)), 1_000_000, 1, 1)
-    fwd = 4.0 * window_pairs(seq, 1024) * shape.heads * shape.head_dim * shape.layers
-    at_causal_rate = ATTENTION_PASSES * fwd / ATTENTION_FLOPS_PER_S
-    extra = windowed.step_seconds(seq, plan) - (unwindowed.step_seconds(seq, plan)
-                                                 - ATTENTION_PASSES * 4.0 * window_pairs(seq, None) * shape.heads
-                                                 * shape.head_dim * shape.layers / ATTENTION_FLOPS_PER_S)
-    assert abs(extra - at_causal_rate / rate_vs_causal(1024)) <= 1e-6 * extra
-    assert rate_vs_causal(128) < rate_vs_causal(1024) < rate_vs_causal(4096) <= rate_vs_causal(1 << 20)
+    per_pair = ATTENTION_PASSES * 4.0 * shape.heads * shape.head_dim * shape.layers / ATTENTION_FLOPS_PER_S
+    extra = windowed.step_seconds(seq, plan) - (unwindowed.step_seconds(seq, plan) - per_pair * window_pairs(seq, None))
+    how = resolve_how("auto", torch.device("cuda"), 1024)
+    assert how == "flash_window"
+    assert abs(extra - per_pair * window_pairs(seq, 1024) / rate_vs_causal(how, 1024)) <= 1e-6 * extra
+    assert rate_vs_causal("band", 128) < rate_vs_causal("band", 1024) < rate_vs_causal("band", 4096)
+    assert rate_vs_causal("flash_window", 1 << 20) == rate_vs_causal("flash_window", 4096)
 
 
-@pytest.mark.parametrize("s,window,bounds", [(1000, 40, None), (1000, 200, (0, 300, 301, 777, 1000)), (513, 128, None)])
-def test_flex_block_mask_transposes_for_the_backward(s, window, bounds):
-    """The key-block lists span all key blocks, so BlockMask's transpose (the query blocks per key block, which
-    flex's backward walks) is the band's: against torch's create_block_mask over the same mask, block by block."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def test_start_up_block_names_each_layer_kind_and_its_window_kernel():
+    from ulysses_lc.train.console import layers_line
 
-    from ulysses_lc.mixers.flex_window import FLEX_BLOCK, block_mask
-
-    ours = block_mask(s, window, bounds, torch.device("cpu"))
-    theirs = create_block_mask(ours.mask_mod, None, None, s, s, device="cpu", BLOCK_SIZE=FLEX_BLOCK)
-    n = -(-s // FLEX_BLOCK)
-
-    def dense(num, idx):
-        out = torch.zeros(n, n, dtype=torch.bool)
-        for r in range(n):
-            out[r, idx[0, 0, r, :num[0, 0, r]].long()] = True
-        return out
-
-    for side in ("kv", "q"):
-        mine = dense(getattr(ours, f"{side}_num_blocks"), getattr(ours, f"{side}_indices"))
-        mine_full = dense(getattr(ours, f"full_{side}_num_blocks"), getattr(ours, f"full_{side}_indices"))
-        want = dense(getattr(theirs, f"{side}_num_blocks"), getattr(theirs, f"{side}_indices"))
-        want_full = dense(getattr(theirs, f"full_{side}_num_blocks"), getattr(theirs, f"full_{side}_indices"))
-        assert not ((want | want_full) & ~(mine | mine_full)).any()  # every visible block listed
-        assert not (mine_full & ~want_full).any()  # full only where wholly visible
-        assert not (mine & ~(want | want_full)).any()  # no block listed that holds nothing
+    config = tiny_config("gpt_oss")
+    gpu, cpu = layers_line(config, "cudnn", "torch", on_gpu=True), layers_line(config, "cudnn", "torch", on_gpu=False)
+    window = ModelShape.from_config(config).layer_windows[0]
+    assert f"sliding window {window} with sinks (flash_window" in gpu and "full attention with sinks (the band" in gpu
+    assert "(the band over the CPU flash kernel)" in cpu
+    mistral = layers_line(tiny_config("mistral", sliding_window=4096, max_position_embeddings=8192), "cudnn", "x")
+    assert "sliding window 4096 (the band over cuDNN)" in mistral

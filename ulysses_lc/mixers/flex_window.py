@@ -16,6 +16,12 @@ gradient; d sink = -sum dL. fp32 arithmetic in slices along the sequence.
 
 Its backward is flex's own (autograd through the compiled call): no kept output. A layer that keeps its attention
 output for the recompute (attention.kept_output_attention) runs window_attention's explicit kernels instead.
+
+Measured on one H200 (benchmarks/bench_window.py, 2026-12-02, torch 2.11, Triton 3.6, 262,144 tokens, gpt-oss-20b's
+64 x 64 heads, window 128; fwd+bwd TF/s on the FLOPs the window needs over causal cuDNN's): this path 0.14 without
+sinks and 0.07 with them, exact (tests/test_window_cuda.py); torch's flex as its docs show it (create_block_mask,
+compiled without dynamic shapes, no log-sum-exp) 0.19. So it is not window_attention's default yet. Suspected, not
+measured: the dynamic-shape compile, and the sink's scale in eager slices outside the compiled call (to fuse into it).
 """
 
 from __future__ import annotations
@@ -26,25 +32,8 @@ import importlib.util
 import torch
 
 FLEX_BLOCK = 128
-# fwd+bwd TF/s on the FLOPs a window needs over full causal cuDNN's on the same heads, one H200 at 262,144 tokens
-# (benchmarks/bench_window.py, torch 2.11): (window, rate) at gpt-oss-20b's heads (64 x 64, window 128), Gemma 3
-# 27B's (32 x 128, 1024), Mistral 7B's (32 x 128, 4096). The step estimate prices window layers with it.
-FLEX_RATE_VS_CAUSAL = ((128, 0.19), (1024, 0.57), (4096, 0.71))
 _SLICE_BYTES = 256 << 20  # fp32 temporaries of the sink scale, one slice along the sequence at a time
 _MASKS: dict = {}  # (s, window, bounds, device) -> BlockMask; the last few, reused across a step's layers
-
-
-def rate_vs_causal(window: int) -> float:
-    """FLEX_RATE_VS_CAUSAL at `window`: linear in log(window) between the measured points, flat beyond them."""
-    import math
-
-    points = FLEX_RATE_VS_CAUSAL
-    if window <= points[0][0]:
-        return points[0][1]
-    for (w0, r0), (w1, r1) in zip(points, points[1:]):
-        if window <= w1:
-            return r0 + (r1 - r0) * math.log(window / w0) / math.log(w1 / w0)
-    return points[-1][1]
 
 
 def flex_available(device: torch.device) -> bool:
@@ -181,4 +170,4 @@ def flex_window_attention(q, k, v, scale: float, window: int | None, sinks_h=Non
     return SinkScale.apply(out, lse, sinks_h)
 
 
-__all__ = ["FLEX_BLOCK", "FLEX_RATE_VS_CAUSAL", "SinkScale", "band_blocks", "block_mask", "flex_available", "flex_window_attention", "rate_vs_causal"]
+__all__ = ["FLEX_BLOCK", "SinkScale", "band_blocks", "block_mask", "flex_available", "flex_window_attention"]

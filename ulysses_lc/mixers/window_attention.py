@@ -23,15 +23,15 @@ sink is one more column of P, with value 0), and d sink = -sum_i exp(sink - L'_i
 window_size_left = w - 1; documents as its cu_seqlens), the same merge-free sink and backward; CUDA only.
 
 `how="flex"`: one compiled call of torch's flex attention over the band's block mask (flex_window.py), sinks
-through its log-sum-exp, documents in the mask; CUDA only, no kept output (its backward is flex's own).
+through its log-sum-exp, documents in the mask; CUDA only, no kept output (its backward is flex's own). Opt-in:
+measured below the explicit kernels so far (flex_window.py).
 
-Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-01; fwd+bwd
-TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads): flash_window 0.14 / 0.41 / 0.55,
-the band over cuDNN 0.06 / 0.28 / 0.66 and torch's flex 0.19 / 0.57 / 0.71 at windows of 128 (gpt-oss-20b heads,
-64 x 64) / 1024 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). So flex for every window where it runs
-(CUDA sm80+ with Triton); where it cannot, or where the layer keeps its output for the recompute, flash_window below
-BAND_MIN_WINDOW (2048, between the two measured points) and the band from there; sink layers without a window take
-the band (one cuDNN causal call). Each falls back to the next where its kernel refuses the shape.
+Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-02, torch
+2.11; fwd+bwd TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads; WINDOW_RATES):
+flash_window 0.14 / 0.40 / 0.54 and the band over cuDNN 0.06 / 0.28 / 0.65 at windows of 128 (gpt-oss-20b heads,
+64 x 64) / 1024 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). So flash_window below BAND_MIN_WINDOW (2048,
+between the two measured points), the band from there and for sink layers without a window (one cuDNN causal call);
+either falls back to the other where its kernel refuses the shape.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 WINDOW_HOWS = ("auto", "band", "flash_window", "flex")
 BAND_MIN_WINDOW = 2048  # CUDA: the band from this window up, flash_window below (module docstring)
+# (window, fwd+bwd rate over causal cuDNN's) per implementation, the module docstring's H200 measurement; the step
+# estimate (sizing.py) prices window layers with the one resolve_how picks.
+WINDOW_RATES = {"flash_window": ((128, 0.141), (1024, 0.404), (4096, 0.542)),
+                "band": ((128, 0.058), (1024, 0.280), (4096, 0.648)),
+                "flex": ((128, 0.135),)}
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
 
 
@@ -60,21 +65,34 @@ def band_bytes_per_token(shape) -> int:
 
 
 def resolve_how(how: str, device: torch.device, window: int | None = None, kept: bool = False) -> str:
-    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA flex for a window where it runs,
-    unless the layer keeps its output (`kept`), else flash_window for a window under BAND_MIN_WINDOW, else the band
-    (module docstring)."""
+    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA flash_window for a window under
+    BAND_MIN_WINDOW, else the band (module docstring). "flex" in a layer that keeps its output (`kept`) is auto's
+    pick: flex's backward cannot take a kept output."""
     if how not in WINDOW_HOWS:
         raise ValueError(f"how={how!r}: pick one of {WINDOW_HOWS}.")
-    if how == "auto":
-        if device.type != "cuda":
-            return "band"
-        if window is not None and not kept and flex_available(device):
-            return "flex"
-        return "flash_window" if window is not None and window < BAND_MIN_WINDOW else "band"
     if how in ("flash_window", "flex") and device.type != "cuda":
         kind = "torch's CUDA FLASH kernel" if how == "flash_window" else "flex attention, whose backward is CUDA-only"
         raise ValueError(f"how={how!r} runs {kind}; use how='band' on CPU.")
+    if how == "flex" and kept:
+        how = "auto"
+    if how == "auto":
+        if device.type != "cuda":
+            return "band"
+        return "flash_window" if window is not None and window < BAND_MIN_WINDOW else "band"
     return how
+
+
+def rate_vs_causal(how: str, window: int) -> float:
+    """WINDOW_RATES[how] at `window`: linear in log(window) between the measured points, flat beyond them."""
+    import math
+
+    points = WINDOW_RATES[how]
+    if window <= points[0][0]:
+        return points[0][1]
+    for (w0, r0), (w1, r1) in zip(points, points[1:]):
+        if window <= w1:
+            return r0 + (r1 - r0) * math.log(window / w0) / math.log(w1 / w0)
+    return points[-1][1]
 
 
 def describe_how(window: int | None, sinks: bool, on_gpu: bool = True) -> str:
@@ -82,10 +100,9 @@ def describe_how(window: int | None, sinks: bool, on_gpu: bool = True) -> str:
     block's words."""
     if not on_gpu:
         return "the band over the CPU flash kernel"
-    if window is not None:
-        return "flex attention (torch.compile), kept outputs through " + (
-            "flash_window" if window < BAND_MIN_WINDOW else "the band over cuDNN")
-    return "the band over cuDNN" + (" with its sink" if sinks else "")
+    if window is not None and window < BAND_MIN_WINDOW:
+        return "flash_window: torch's FLASH kernel with its window" + (", sinks merged after it" if sinks else "")
+    return "the band over cuDNN" + (" with its sinks" if sinks else "")
 
 
 # ---- layouts of the band: [b, H, n c, d] <-> n chunks along the batch ----
@@ -335,7 +352,7 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
         if how == "flex":
             raise ValueError(f"flex attention refused {tuple(q_bhsd.shape)} {q_bhsd.dtype}: "
                              f"{fallbacks.summary()}; use how='auto'.")
-        chosen = resolve_how("auto", q_bhsd.device, window, kept=True)
+        chosen = resolve_how("auto", q_bhsd.device, window)
     if bounds is not None and chosen != "flash_window":
         raise ValueError("bounds need how='flash_window' or 'flex'; kernels.document_attention runs the band per "
                          "document.")
@@ -363,5 +380,6 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
                      f"{q_bhsd.device} (how={how!r}); on CUDA use bf16/fp16 and head_dim <= 256.")
 
 
-__all__ = ["BAND_MIN_WINDOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "describe_how", "resolve_how",
+__all__ = ["BAND_MIN_WINDOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "describe_how", "rate_vs_causal",
+           "resolve_how", "WINDOW_RATES",
            "window_attention"]

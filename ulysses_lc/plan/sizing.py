@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import torch
+
 from . import deltanet_time, memory_model
 from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
-from ..mixers.flex_window import rate_vs_causal
+from ..mixers.window_attention import rate_vs_causal, resolve_how
 from ..shape import ModelShape, window_pairs
 
 GB = 1e9
@@ -265,7 +267,7 @@ class Job:
     def step_seconds(self, seq_len: int, plan: MemoryPlan) -> float:
         """Predicted seconds of one step from its FLOPs (metrics.model_flops_per_step, the plan's recompute) at
         the rates measured on an H200 (below), sliding-window layers at their kernel's measured share of that rate
-        (flex_window.rate_vs_causal), the gated DeltaNet layers on the torch path (deltanet_time.py, where the rule
+        (window_attention.rate_vs_causal), the gated DeltaNet layers on the torch path (deltanet_time.py, where the rule
         picks it) at their measured cost per token instead of their FLOPs; packed documents take less (their
         attention is block-diagonal)."""
         shape = self.shape
@@ -291,10 +293,13 @@ class Job:
         return (attention + dense) / self.sp_size + rest + exchange + recurrence
 
 
+_CUDA = torch.device("cuda")  # the plan prices a GPU's step
+
+
 def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan) -> float:
-    """Seconds the window layers take beyond their FLOPs at the causal rate: the window kernel's lower rate
-    (flex_window.rate_vs_causal, flex being what window_attention picks on a GPU), on the forward, backward and
-    the recompute's share of forwards."""
+    """Seconds the window layers take beyond their FLOPs at the causal rate: the lower rate of the kernel
+    window_attention picks on a GPU (rate_vs_causal), on the forward, backward and the recompute's share of
+    forwards."""
     windows = shape.layer_windows or ()
     linear = shape.linear_layers or (False,) * shape.layers
     recompute_share = (plan.recompute_layers - plan.cache_attention_layers) / shape.layers
@@ -303,7 +308,8 @@ def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan) -> float:
         if w is None or lin or w >= seq_len:
             continue
         fwd = 4.0 * window_pairs(seq_len, w) * shape.heads * shape.head_dim
-        extra += (ATTENTION_PASSES + recompute_share) * fwd * (1 / rate_vs_causal(w) - 1)
+        how = resolve_how("auto", _CUDA, w)
+        extra += (ATTENTION_PASSES + recompute_share) * fwd * (1 / rate_vs_causal(how, w) - 1)
     return extra / ATTENTION_FLOPS_PER_S
 
 

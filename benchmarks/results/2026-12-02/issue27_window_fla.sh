@@ -7,7 +7,7 @@ set -u
 OUT=$1
 mkdir -p "$OUT"
 python3 benchmarks/bench_window.py --only kernels --budget-s "${WINDOW_BUDGET:-270}" --out "$OUT/window" \
-  --candidates band_cudnn flash_window flex auto auto_sinks 2>&1 | tee "$OUT/window.log" | grep -v '^{' | tail -25
+  --candidates band_cudnn flash_window auto auto_sinks flex flex_lib flex_lib_sinks 2>&1 | tee "$OUT/window.log" | grep -v '^{' | tail -25
 tar -xJf .tw/triton371.tar.xz -C /tmp/site
 python3 benchmarks/bench_deltanet.py --out "$OUT/deltanet" --budget-s "${DELTANET_BUDGET:-200}" 2>&1 \
   | tee "$OUT/deltanet.log" | grep -v '^{"kind": "time"' | tail -12
