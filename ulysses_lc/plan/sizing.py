@@ -181,7 +181,8 @@ class Job:
         state_gpu, state_host = self.state_bytes()
         _, groups = self._policy()
         act_gpu, act_host = plan_bytes(self.shape, seq_len, plan, sp_size=self.sp_size, head_groups=groups,
-                                       offload=self.offload, packed=self.packed, long_documents=self.long_documents)
+                                       offload=self.offload, packed=self.packed, long_documents=self.long_documents,
+                                       deltanet=self.deltanet_path)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES,
                           self.node_share(act_host), self.ranks_per_node)
@@ -205,7 +206,7 @@ class Job:
         keep_attention, groups = self._policy()
         return plan_memory(self.shape, seq_len, device, sp_size=self.sp_size, host_free_bytes=max(host, 0),
                            offload=self.offload, keep_attention=keep_attention, head_groups=groups, packed=self.packed,
-                           long_documents=self.long_documents)
+                           long_documents=self.long_documents, deltanet=self.deltanet_path)
 
     def fit(self, seq_len: int, limits: Limits, plan: MemoryPlan | None = None) -> Fit:
         """`plan` (default: the one `plan` chooses) priced against `limits`."""
@@ -259,6 +260,11 @@ class Job:
                 if fit.fits:
                     break
         return out
+
+    @property
+    def deltanet_path(self) -> str:
+        """"fla" or "torch": the path `deltanet` resolves to by deltanet_time.deltanet_path."""
+        return deltanet_time.deltanet_path(self.deltanet)[0]
 
     def deltanet_line(self) -> str | None:
         """How step_seconds prices the gated DeltaNet layers, and on which path (None: the model has none)."""
