@@ -83,10 +83,27 @@ def test_the_plan_is_made_for_the_kernel_the_probe_found(monkeypatch):
 
 def test_no_kernel_errors_are_told_apart():
     for message in ("No available kernel. Aborting execution.", "cuDNN Frontend error: No valid execution plans built.",
-                    "FlashAttention only supports Ampere GPUs or newer.", "\"flash_fwd\" not implemented for 'Half'"):
+                    "FlashAttention only supports Ampere GPUs or newer.", "\"flash_fwd\" not implemented for 'Half'",
+                    "FlashAttention only support fp16 and bf16 data type"):  # torch's FLASH kernel on fp32
         assert fallbacks.is_no_kernel_error(RuntimeError(message)), message
     assert fallbacks.is_no_kernel_error(NotImplementedError("Could not run 'aten::_flash' with arguments from 'CPU'"))
     for error in (RuntimeError("shape '[1, 4, 16, 8]' is invalid for input of size 100"), ValueError("not supported"),
                   RuntimeError("CUDA error: an illegal memory access was encountered"),
                   torch.OutOfMemoryError("CUDA out of memory; expandable segments not supported on this device")):
         assert not fallbacks.is_no_kernel_error(error), error
+
+
+def test_fp32_on_cuda_asks_no_explicit_kernel():
+    """cuDNN's and FLASH's ops take fp16 and bf16 only (torch's cuDNN op would read fp32 as fp16 rather than refuse):
+    an fp32 call on CUDA (tests/test_nccl_sp.py's fp32 cases, with kept outputs) goes to SDPA's own fp32 kernels."""
+    from types import SimpleNamespace
+
+    from ulysses_lc.mixers.explicit_attention import explicit_backends
+
+    def on_cuda(dtype):
+        return SimpleNamespace(device=torch.device("cuda"), dtype=dtype)  # only device and dtype are read
+
+    assert explicit_backends(on_cuda(torch.bfloat16), "auto") == ("cudnn", "flash")
+    assert explicit_backends(on_cuda(torch.float16), "sdpa") == ("flash",)
+    assert explicit_backends(on_cuda(torch.float32), "auto") == explicit_backends(on_cuda(torch.float32), "sdpa") == ()
+    assert explicit_backends(torch.zeros(1, dtype=torch.float32), "auto") == ("cpu",)

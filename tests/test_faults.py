@@ -83,7 +83,9 @@ def _resume_worker(rank, world_size, tmp):
         except NonFiniteError as e:
             result["nonfinite"] = str(e)
         result["div_latest"] = open("div/checkpoints/latest").read()
-        result["recovered"] = train_worker(rank, world_size, replace(base, output_dir="div", resume=True))
+        # With a DeepSpeed config that changes only logging and ZeRO-3's bucket and prefetch sizes: applied.
+        result["recovered"] = train_worker(rank, world_size, replace(base, output_dir="div", resume=True,
+                                                                     ds_config="ds_logging.json"))
     finally:
         logging.getLogger("ulysses_lc.train.loop").removeHandler(handler)
     result["lines"] = lines
@@ -94,8 +96,17 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
     from tests._dist import run_shared
     from tests.test_training import losses_of
 
+    from ulysses_lc.parallel.ds_config import load_deepspeed_config
+
+    zero3 = load_deepspeed_config("zero3")
+    (tmp_path / "ds_logging.json").write_text(json.dumps({**zero3, "steps_per_print": 1, "zero_optimization": {
+        **zero3["zero_optimization"], "reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 4096,
+        "stage3_param_persistence_threshold": 0}}))
     result = run_shared(_resume_worker, 2, str(tmp_path), kind="deepspeed")[0]
     text = "\n".join(result["lines"])
+    assert "--ds-config on resume: steps_per_print 1000000 -> 1, zero_optimization.reduce_bucket_size 500000000.0 " \
+           "-> 4096, zero_optimization.stage3_param_persistence_threshold 1000000.0 -> 0, " \
+           "zero_optimization.stage3_prefetch_bucket_size 500000000.0 -> 4096: logging, or how ZeRO schedules" in text
     # A longer run: the settings not named (seq_len 256, save_every 2, the cache) are the saved run's; the cosine
     # decay continues from the lr it had, with no jump, and says so.
     assert "--steps 4 -> 8: the cosine decay continues from" in text and "(no jump)" in text, text
@@ -114,7 +125,8 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
     assert "--lr 0.003 -> inf on resume" in text
     assert "step 3:" in message and "Last good checkpoint: div/checkpoints/step2." in message, message
     assert result["div_latest"] == "step2"
-    # The named checkpoint with a lower lr goes on, on the uninterrupted run's trajectory.
+    # The named checkpoint with a lower lr goes on, on the uninterrupted run's trajectory (its DeepSpeed config's
+    # smaller buckets and no persistent parameters schedule the same values).
     np.testing.assert_allclose(losses_of(result["recovered"]), losses_of(result["full"])[2:], rtol=1e-6)
 
 
@@ -151,7 +163,7 @@ def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path
 def test_a_resume_refuses_another_deepspeed_config_by_what_it_holds_not_by_its_name(tmp_path):
     from ulysses_lc.parallel.ds_config import load_deepspeed_config
     from ulysses_lc.train import TrainConfig, parse_args
-    from ulysses_lc.train.resume import resolve
+    from ulysses_lc.train.resume import _ABSENT as ABSENT, change_lines, resolve
     from ulysses_lc.train.run_state import write_run_file
 
     mine = tmp_path / "ds.json"
@@ -172,11 +184,40 @@ def test_a_resume_refuses_another_deepspeed_config_by_what_it_holds_not_by_its_n
         resolve(parse_args([*resume, str(tmp_path / "zero3"), "--ds-config", "zero3_offload_optimizer"]),
                 tmp_path / "zero3")
     # The run's own file edited since it started, the flag not repeated: refused too (the name alone would pass).
-    mine.write_text(json.dumps({**load_deepspeed_config("zero3"), "gradient_clipping": 0.5}))
+    zero3 = load_deepspeed_config("zero3")
+    mine.write_text(json.dumps({**zero3, "gradient_clipping": 0.5}))
     with pytest.raises(ValueError, match=r"\(gradient_clipping: 1\.0 -> 0\.5\); put the saved settings back "
                                          r"\(run\.json's ds_config_settings holds them\) or use another --output-dir "
                                          r"\(the DeepSpeed config cannot change on a resume: the optimizer state"):
         resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
+    # Logging and ZeRO-3's bucket and prefetch sizes apply, with a line; the trajectory is held by the resume in
+    # test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once.
+    logging_only = {**zero3, "steps_per_print": 5, "wall_clock_breakdown": True, "flops_profiler": {"enabled": False},
+                    "zero_optimization": {**zero3["zero_optimization"], "stage3_prefetch_bucket_size": 1000}}
+    mine.write_text(json.dumps(logging_only))
+    cfg, changed = resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
+    assert changed == {"ds_config_settings": (
+        {"flops_profiler": ABSENT, "steps_per_print": 1000000, "wall_clock_breakdown": False,
+         "zero_optimization.stage3_prefetch_bucket_size": 5e8},
+        {"flops_profiler": {"enabled": False}, "steps_per_print": 5, "wall_clock_breakdown": True,
+         "zero_optimization.stage3_prefetch_bucket_size": 1000})}, changed
+    assert change_lines(changed) == [
+        "--ds-config on resume: flops_profiler absent -> {'enabled': False}, steps_per_print 1000000 -> 5, "
+        "wall_clock_breakdown False -> True, zero_optimization.stage3_prefetch_bucket_size 500000000.0 -> 1000: "
+        "logging, or how ZeRO schedules the same gathers and reductions (the trained values do not change)"]
+    # What changes the trained values stays refused, each with the reason, also beside a change that would apply.
+    for edit, shown in [({"zero_optimization": {**zero3["zero_optimization"], "stage": 2}},
+                         r"zero_optimization\.stage: 3 -> 2"),
+                        ({"bf16": {"enabled": False}, "fp16": {"enabled": True}},
+                         r"bf16\.enabled: 'auto' -> False; fp16: absent -> \{'enabled': True\}"),
+                        ({"optimizer": {"type": "Lamb"}}, r"optimizer: absent -> \{'type': 'Lamb'\}"),
+                        ({"gradient_clipping": 0.0, "steps_per_print": 5}, r"\(gradient_clipping: 1\.0 -> 0\.0\);"),
+                        ({"zero_optimization": {**zero3["zero_optimization"], "offload_optimizer": {"device": "cpu"},
+                                                "reduce_bucket_size": 1e6}},
+                         r"\(zero_optimization\.offload_optimizer: absent -> \{'device': 'cpu'\}\);")]:
+        mine.write_text(json.dumps({**zero3, **edit}))
+        with pytest.raises(ValueError, match=shown + r".*the optimizer state was saved in this config's form"):
+            resolve(parse_args([*resume, str(tmp_path / "ds")]), tmp_path / "ds")
 
 
 # -- verified checkpoints (issue 30) --------------------------------------------------------------------------
@@ -444,6 +485,92 @@ def test_a_full_disk_at_rank_0s_last_small_writes_stops_every_rank_with_the_caus
         assert not (tmp_path / where / "checkpoints" / "latest").exists()
 
 
+def _disk_full_at_run_files_worker(rank, world_size, tmp):
+    """The disk fills up at rank 0's metrics.jsonl line of step 3 (half of it written), then at run.json's rewrite by
+    the resume, then at a new run's run.json: a rank that raised alone there left the other in the next collective."""
+    import errno
+    from dataclasses import replace
+
+    import ulysses_lc.plan.metrics as metrics
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.checkpoint_files import SaveFailed
+
+    os.chdir(tmp)
+    cfg = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=4, lr=3e-3, save_every=2, cache_dir="cache",
+                      export=False, output_dir="run")
+    result = {"reference": [r["loss"] for r in train(replace(cfg, output_dir="reference"))]}
+    full, write_text = [], Path.write_text
+
+    class CutShort:  # a file whose write stops half-way: the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(path, *args, **kwargs):
+        f = open(path, *args, **kwargs)
+        return CutShort(f) if full and Path(path).name == "metrics.jsonl" else f
+
+    def full_write_text(path, *args, **kwargs):
+        if full and path.name in ("run.json", ".run.json.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, *args, **kwargs)
+
+    metrics.open, Path.write_text = full_open, full_write_text
+    try:
+        for case, run_cfg in [("metrics", cfg), ("resume", replace(cfg, resume=True)),
+                              ("new", replace(cfg, output_dir="new"))]:
+            full.clear()
+            if case != "metrics":
+                full.append(0)
+                result["run.json"] = Path("run/run.json").read_bytes()
+            try:
+                train(run_cfg, on_step=lambda step, record: full.append(step) if step == 2 else None)
+            except SaveFailed as e:
+                result[case] = str(e)
+            if case == "resume":
+                result["run.json kept"] = Path("run/run.json").read_bytes() == result["run.json"]
+    finally:
+        del metrics.open
+        Path.write_text = write_text
+    result["latest"] = Path("run/checkpoints/latest").read_text()
+    result["resumed"] = [r["loss"] for r in train(replace(cfg, resume=True))]  # nothing saved before was lost
+    result["logged"] = [json.loads(line) for line in Path("run/metrics.jsonl").read_text().splitlines()]
+    return result
+
+
+def test_a_full_disk_at_metrics_jsonl_or_run_json_stops_every_rank_with_the_cause_and_loses_nothing(tmp_path):
+    from tests._dist import run_shared
+
+    results = run_shared(_disk_full_at_run_files_worker, 2, str(tmp_path), kind="deepspeed", timeout=240)
+    for case in ("metrics", "resume", "new"):
+        assert results[0][case] == results[1][case], (case, results[0][case], results[1][case])  # every rank
+    assert re.match(r"step 3: writing metrics\.jsonl in run failed: its file system is full \(ENOSPC\); [\d.]+ \w+ is "
+                    r"free there\. To go on, free space there or pass another --output-dir; the checkpoint "
+                    r"run/checkpoints/step2 is intact: --resume continues from it\. \(rank 0\)$",
+                    results[0]["metrics"]), results[0]["metrics"]
+    assert re.match(r"writing run\.json in run failed: its file system is full \(ENOSPC\); .* the checkpoint "
+                    r"run/checkpoints/step2 is intact", results[0]["resume"]), results[0]["resume"]
+    assert re.match(r"writing run\.json in new failed: .*; no checkpoint exists yet\. \(rank 0\)$",
+                    results[0]["new"]), results[0]["new"]
+    result = results[0]
+    assert result["run.json kept"] and result["latest"] == "step2"
+    # Nothing saved before is lost: the resume from step 2 is the uninterrupted run's, metrics.jsonl holds each step
+    # once (step 3's half line dropped), its first two lines as the first run wrote them.
+    np.testing.assert_allclose(result["resumed"], result["reference"][2:], rtol=1e-6)
+    assert [m["step"] for m in result["logged"]] == [1, 2, 3, 4]
+    np.testing.assert_allclose([m["loss"] for m in result["logged"]], result["reference"], rtol=1e-6)
+
+
 def _resume_in(rank, world_size, tmp, cfg):
     from tests.test_training import train_worker
 
@@ -542,11 +669,15 @@ def _reference_and_resume(rank, world_size, tmp, steps):
                                                                                           resume=True))
 
 
-@pytest.mark.parametrize("launcher,target", [("deepspeed", "launcher"), ("torchrun", "group")])
-def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_goes_on(tmp_path, launcher, target):
-    """SIGTERM to DeepSpeed's runner alone (it forwards nothing: the ranks see it end), or to torchrun's whole process
-    group (every rank and the agent, which forwards it again): every rank stops at one step boundary, saves there
-    (--save-every 0: no other checkpoint), and exits; the resume continues the uninterrupted run."""
+@pytest.mark.parametrize("launcher,target,signame", [("deepspeed", "launcher", "SIGTERM"), ("torchrun", "group", "SIGTERM"),
+                                                   ("torchrun", "launcher", "SIGTERM"), ("deepspeed", "group", "SIGINT")])
+def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_goes_on(tmp_path, launcher, target,
+                                                                                       signame):
+    """SIGTERM to DeepSpeed's runner alone (it forwards nothing: the ranks see it end), to torchrun's whole process
+    group (every rank and the agent, which forwards it again) or to its agent alone (which forwards it, then SIGKILLs
+    the ranks 30 s later), or Ctrl-C under DeepSpeed's launcher (SIGINT to the runner, launch.py and every rank;
+    launch.py then SIGTERMs the ranks one by one and waits for each): every rank stops at one step boundary, saves
+    there (--save-every 0: no other checkpoint), and exits; the resume continues the uninterrupted run."""
     import signal
     import subprocess
 
@@ -568,13 +699,13 @@ def test_a_signal_stops_every_rank_at_a_step_with_a_checkpoint_and_the_resume_go
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "train" in " ".join(p.cmdline())
              and "launch" not in " ".join(p.cmdline())]
     if target == "launcher":
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, getattr(signal, signame))
     else:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, getattr(signal, signame))
     out = "".join(seen) + proc.stdout.read()  # until every process holding the pipe (the ranks) has exited
     proc.wait(timeout=120)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), out
-    why = "its launcher (pid" if target == "launcher" else "SIGTERM (from the scheduler"
+    why = "its launcher (pid" if (launcher, target) == ("deepspeed", "launcher") else f"{signame} (from the scheduler"
     stopped = [line for line in out.splitlines() if line.startswith("stopped at step ")]
     assert len(stopped) == 1 and why in stopped[0], out
     step = int(stopped[0].split()[3])
@@ -641,6 +772,7 @@ def test_a_stop_under_way_outlives_the_loss_of_the_store(monkeypatch):
     watch = job_watch.JobWatch(RankTable(("a", "a"), (0, 0), (os.getpid(), os.getpid()), 0), GoneStore(), "t/",
                                node_timeout_s=60, stop_grace_s=25)
     watch._launchers = [2**31 - 1]  # no such process: the agent has ended
+    watch.stop_request.training = True  # in a step (the loop's first step set it)
 
     def end(report, *, speak, code=1):
         raise Ended(report.message)
@@ -720,6 +852,86 @@ def test_a_job_of_one_process_stops_with_a_checkpoint_and_a_hung_save_ends_past_
     np.testing.assert_allclose(logged, result["reference"], rtol=1e-6)
 
 
+def _interrupted_in_checks(argv):
+    """Ctrl-C lands in the start-up checks, on this rank (the terminal's group: every rank), as the command line runs."""
+    import signal
+
+    import ulysses_lc.train.loop as loop
+    from ulysses_lc.train.cli import main
+
+    checks = loop.preflight
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return checks(*args, **kwargs)
+
+    loop.preflight = interrupted
+    main(argv)
+
+
+def test_ctrl_c_in_the_start_up_checks_stops_every_rank_with_one_line_and_no_traceback(tmp_path):
+    """Before the run's handlers are armed, Python's own SIGINT handler raises KeyboardInterrupt, which printed a
+    traceback on every rank and exited 1."""
+    import subprocess
+    import sys
+
+    from tests._dist import _free_port
+    from tests.test_run import _env
+
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    code = f"from tests.test_faults import _interrupted_in_checks; _interrupted_in_checks({PREEMPT_ARGS!r})"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env={**_env(), **env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [130, 130], outs
+    assert not any("Traceback" in out or "KeyboardInterrupt" in out for out in outs), outs
+    assert outs[0].strip().splitlines()[-1] == ("stopped by SIGINT (Ctrl-C) during the start-up checks, before "
+                                                "training started: nothing was trained or written; the same command "
+                                                "starts the run"), outs[0]
+    assert outs[1].strip() == "", outs[1]  # one line for the job, from rank 0
+    assert not (tmp_path / "run").exists()
+
+
+def _interrupted_while_loading(rank, world_size, tmp):
+    import signal
+
+    import ulysses_lc.train.loop as loop
+    from ulysses_lc.train import TrainConfig, train
+    from ulysses_lc.train.stop import Stopped
+
+    os.chdir(tmp)
+    load = loop.load_model
+
+    def interrupted(*args, **kwargs):  # Ctrl-C to rank 1 alone while the weights load, after the watch is armed
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return load(*args, **kwargs)
+
+    loop.load_model = interrupted
+    try:
+        train(TrainConfig(model="tiny", data="tiny", seq_len=256, steps=50, lr=3e-3, save_every=1, export=False,
+                          cache_dir="cache", output_dir="run"))
+    except Stopped as e:
+        return str(e), e.code
+    finally:
+        loop.load_model = load
+    return None
+
+
+def test_a_stop_asked_while_the_run_starts_ends_it_before_a_step_on_every_rank(tmp_path):
+    """Without a check before the loop, the run trained (and saved) a first step, which can take minutes, and past
+    --stop-grace-s the watch ended it with a line about a step and checkpoint that never were."""
+    from tests._dist import run_shared
+
+    stops = run_shared(_interrupted_while_loading, 2, str(tmp_path), kind="deepspeed", timeout=240)
+    assert stops[0] is not None and stops[0] == stops[1], stops
+    message, code = stops[0]
+    assert code == 130 and message.startswith("stopped before training started by SIGINT (from the scheduler"), message
+    assert message.endswith("(rank 1): nothing was trained; the same command starts the run"), message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
 # -- blame (issue 30) ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "none"])
@@ -768,7 +980,49 @@ def test_rank_0_killed_is_named_in_the_last_lines_on_every_launcher(tmp_path, la
     assert ours, out
     if launcher == "torchrun":  # its closing summary, printed last, names the root cause by global rank
         assert "rank      : 0 (local_rank: 0)" in "\n".join(lines[-6:]) and "SIGKILL" in lines[-2], lines[-8:]
-    elif launcher == "deepspeed":  # then launch.py's lines: "Killing subprocess" for each, and rank 0's exit code
-        assert ours[-1] >= len(lines) - 4 and lines[-1].endswith("exits with return code = -9"), lines[-6:]
+    elif launcher == "deepspeed":  # launch.py's "Killing subprocess" for each, the cause again, rank 0's exit code
+        assert ours[-1] == len(lines) - 2 and lines[-1].endswith("exits with return code = -9"), lines[-6:]
+        assert "Killing subprocess" in lines[-3], lines[-6:]
     else:
         assert ours[-1] == len(lines) - 1, lines[-4:]  # the survivor's last line
+
+
+FAILING_RANK_0 = """
+import sys
+
+import ulysses_lc.train.loop as loop
+from ulysses_lc.train.cli import main
+
+shard_batch, calls = loop.shard_batch, []
+
+
+def failing_shard_batch(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3 and loop.torch.distributed.get_rank() == 0:
+        raise RuntimeError("injected failure on rank 0 at step 3")
+    return shard_batch(*args, **kwargs)
+
+
+loop.shard_batch = failing_shard_batch
+main(sys.argv[1:])
+"""
+
+
+def test_under_deepspeeds_launcher_the_cause_follows_its_kill_lines(tmp_path):
+    """DeepSpeed's launch.py, once a rank exits non-zero, prints "Killing subprocess <pid>" for each rank, ending each
+    in turn, then its exit code: the failing rank's line came before all of them. The last live rank, ended last,
+    prints the cause again, so only the exit code's line follows it (job_table.ends_last)."""
+    import subprocess
+
+    from tests._dist import _free_port
+    from tests.test_run import LAUNCHERS, _env
+
+    script = tmp_path / "failing_rank_0.py"
+    script.write_text(FAILING_RANK_0)
+    args = ["--steps", "20", "--seq-len", "256", "--no-export", "--output-dir", "run"]
+    proc = subprocess.run([*LAUNCHERS["deepspeed"](_free_port()), str(script), *args], cwd=tmp_path, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    cause = "error (rank 0 on node 0, host "
+    assert lines[-2].startswith(cause) and "RuntimeError: injected failure on rank 0 at step 3" in lines[-2], lines[-8:]
+    assert "Killing subprocess" in lines[-3] and lines[-1].endswith("exits with return code = 1"), lines[-8:]

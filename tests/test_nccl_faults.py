@@ -11,8 +11,9 @@ Skipped unless two CUDA devices are visible; on a machine with two GPUs:
 
     NCCL_NVLS_ENABLE=0 python -m pytest tests/test_nccl_faults.py -q -s
 
-Mid-step: the kill comes half a step after the step-3 line (the interval between the step-2 and step-3 lines),
-while step 4 runs, at 131,072 tokens of the tiny model on the GPUs so that a step is long enough to land in.
+Mid-step: the kill comes a tenth of a step after the step-3 line (of the interval between the step-2 and step-3
+lines: past the step boundary's agreement, early in step 4, whose line must never come), at 131,072 tokens of the
+tiny model on the GPUs so that a step is long enough to land in.
 
 The bound: every process of the job (launcher and ranks) gone within EXIT_S of the kill. The watch polls each
 second; the node's speaker prints at once, a quiet rank lingers LINGER_S (2 s), a rank that knows no cause waits
@@ -41,6 +42,7 @@ from tests.test_run import REPO
 
 BACKEND = os.environ.get("ULYSSES_NCCL_TEST_BACKEND", "nccl")  # "gloo": the same body on CPU (docstring)
 EXIT_S = 30.0
+INTO_STEP = 0.1  # the kill, after the step-3 line, in step intervals (the step-2 to step-3 lines' time)
 SEQ_LEN = {"nccl": 131072, "gloo": 2048}  # tokens per step: a step long enough to be killed in
 
 if BACKEND == "nccl":
@@ -77,24 +79,25 @@ def test_a_rank_killed_mid_step_ends_every_rank_within_seconds_naming_it_last(tm
     """victim 1: rank 0 (which holds the job's store) is left in NCCL's collective; victim 0: the store goes too."""
     import psutil
 
-    args = ["--model", "tiny", "--sp-size", "2", "--seq-len", str(SEQ_LEN[BACKEND]), "--steps", "40",
+    args = ["--model", "tiny", "--sp-size", "2", "--seq-len", str(SEQ_LEN[BACKEND]), "--steps", "8",
             "--save-every", "0", "--no-export", "--output-dir", "run", "--cache-dir", "cache"]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
            str(REPO / "examples" / "train_1m.py"), *args]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    lines, step_at = [], {}
+    lines, step_at, ranks = [], {}, {}
     try:
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
             if m := re.match(r"step (\d+)/", line):
                 step_at[int(m.group(1))] = time.monotonic()
+                if int(m.group(1)) == 1:
+                    ranks = _ranks(proc.pid)  # now, so that the kill below follows the step-3 line at once
                 if int(m.group(1)) == 3:
                     break
         assert 3 in step_at, "\n".join(lines[-40:])
-        ranks = _ranks(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
-        time.sleep(0.5 * (step_at[3] - step_at[2]))  # into step 4
+        time.sleep(INTO_STEP * (step_at[3] - step_at[2]))  # past the step boundary's agreement, early in step 4
         killed = time.monotonic()
         pid = ranks[victim].pid
         ranks[victim].send_signal(signal.SIGKILL)
@@ -111,7 +114,7 @@ def test_a_rank_killed_mid_step_ends_every_rank_within_seconds_naming_it_last(tm
     alive = [p.pid for p in ranks.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     out = [line for line in rest if line.strip()]
     steps_after = [line for line in out if re.match(r"step \d+/", line)]
-    print(f"rank {victim} killed {0.5 * (step_at[3] - step_at[2]):.2f} s after the step-3 line (a step: "
+    print(f"rank {victim} killed {INTO_STEP * (step_at[3] - step_at[2]):.2f} s after the step-3 line (a step: "
           f"{step_at[3] - step_at[2]:.2f} s); the launcher exited {ended:.1f} s after the kill with code "
           f"{proc.returncode}; step lines after the kill: {len(steps_after)}")
     print("last lines:\n  " + "\n  ".join(out[-6:]))
@@ -123,4 +126,6 @@ def test_a_rank_killed_mid_step_ends_every_rank_within_seconds_naming_it_last(tm
     cause = re.compile(rf"^error \(rank {victim} on node 0, host .*\): rank {victim} \(pid {pid} on host .*\) exited "
                        "without a report")
     assert ours and cause.match(ours[-1]), "the job's last line is not the cause:\n" + "\n".join(out[-12:])
-    assert sum(bool(cause.match(line)) for line in out) == 1, "\n".join(out)  # said once, not by every rank
+    # One cause: no rank blames another (under DeepSpeed's launcher it is said again after its kill lines, as the last
+    # rank ends: train/job_watch.py)
+    assert all(cause.match(line) for line in out if line.startswith("error (")), "\n".join(out)

@@ -15,7 +15,8 @@ Cases (CASES): the Qwen3 tiny model; tiny Mistral (every layer windowed) and Gem
 soft-cap); gpt-oss tiny (sinks on every layer, local / global, MoE); a Qwen3 + LoRA (peft, every projection, random
 A and B so every adapter gradient is non-zero); the Qwen3.5 hybrid (a gated DeltaNet layer, then a gated full-
 attention one). Every case with every lever: chunked loss, tiled MLP, checkpointing with every layer's input
-offloaded, the last layer keeping its attention output. 45 tokens (padded to 46 at sp 2), the first 9 labels
+offloaded, the last layer keeping its attention output (on CUDA in fp32 no explicit kernel takes the call, so that
+layer falls back to SDPA's fp32 kernel and recomputes it: explicit_attention.explicit_backends). 45 tokens (padded to 46 at sp 2), the first 9 labels
 ignored, windows of 5 (smaller than a shard). And the bf16 case of before: a 512-wide Qwen3 at 4096 tokens with
 the cuDNN kernel over 2 head groups.
 

@@ -77,6 +77,9 @@ _LOGGED: set = set()
 # CUDA backends for the kept-output path per `kernel`, in the order F.scaled_dot_product_attention would try
 # them under our priority; flash-attn kernels have no separate forward/backward ops to call.
 _KEPT_BACKENDS = {"cudnn": ("cudnn", "flash"), "auto": ("cudnn", "flash"), "sdpa": ("flash",)}
+# The only dtypes those CUDA ops take. FLASH refuses others; cuDNN's op is not asked: torch's MHA.cpp has built its
+# graph for fp16 whatever the inputs' dtype unless they were bf16, which reads fp32 inputs wrongly instead of refusing.
+_CUDA_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def keeps_attention_outputs(kernel: str) -> bool:
@@ -92,12 +95,13 @@ def causal_ops(backend: str):
 
 
 def explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
-    """Backends for the kept-output path on q's device, in the order they are tried."""
+    """Backends for the kept-output path on q's device and dtype, in the order they are tried (none for fp32 on CUDA:
+    the callers then run F.scaled_dot_product_attention, which has fp32 kernels)."""
     if not keeps_attention_outputs(kernel):
         return ()
     if q.device.type == "cpu":
         return ("cpu",)
-    return _KEPT_BACKENDS[kernel] if q.device.type == "cuda" else ()
+    return _KEPT_BACKENDS[kernel] if q.device.type == "cuda" and q.dtype in _CUDA_DTYPES else ()
 
 
 # ---- the kernel over groups of heads: its own working memory, one group at a time ----

@@ -24,7 +24,7 @@ NO_KERNEL_MESSAGES = (
     "no valid execution plans",
     "no execution plans support",
     "cudnn_status_not_supported",
-    "only supports",
+    "only support",  # also "FlashAttention only support fp16 and bf16 data type" (torch's FLASH kernel on fp32)
     "is not supported",
     "not supported on",
     "not implemented for",

@@ -269,8 +269,38 @@ def _steps(ckpt_dir: Path) -> list[int]:
 
 
 class SaveFailed(OSError):
-    """A checkpoint could not be written (a full disk, a read-only file system, a quota): the message names the
-    folder, the bytes needed and the fix; the previous checkpoint is intact."""
+    """A file of the run (a checkpoint, metrics.jsonl, run.json) could not be written (a full disk, a read-only file
+    system, a quota): the message names the file and folder and the fix; the previous checkpoint is intact."""
+
+
+def raise_first_failure(failures: list[str | None]) -> None:
+    """Every rank raises SaveFailed with the first failing rank's cause, where any rank's write failed (`failures`: one
+    per rank, gathered)."""
+    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if failed:
+        rank, failure = failed[0]
+        others = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
+        raise SaveFailed(failure + (f" (rank {rank}{others})" if len(failures) > 1 else ""))
+
+
+def agree_on_write(failure: str | None) -> None:
+    """Collective after a write only some ranks make (run.json: one a folder): every rank stops with its cause."""
+    every = [failure]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, failure)
+    raise_first_failure(every)
+
+
+def write_failure(path: Path, error: OSError, previous: str | None) -> str:
+    """The line for a run file the disk refused (metrics.jsonl, run.json): which, where, why, and what is kept."""
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    kept = f"the checkpoint {previous} is intact: --resume continues from it" if previous else "no checkpoint exists yet"
+    return (f"writing {path.name} in {path.parent} failed: {_CAUSES.get(error.errno, f'the write failed ({error})')}; "
+            f"{human_bytes(shutil.disk_usage(existing).free)} is free there. To go on, free space there or pass "
+            f"another --output-dir; {kept}.")
 
 
 _CAUSES = {

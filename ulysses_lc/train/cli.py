@@ -10,6 +10,9 @@ Failure reporting, for a job of many ranks on one node or several (job_watch.py 
   - a rank that only lost contact with a failed peer (a gloo/NCCL error) waits up to LOST_PEER_S for the cause to
     be found (job_watch.await_cause: a report on the store, a peer's pid gone, a silent node), which ends it; without
     one it says "lost contact";
+  - Ctrl-C before the run's own signal handlers are armed (the start-up checks, the process group's start) raises
+    KeyboardInterrupt on every rank the terminal's group holds: one line on rank 0, exit 130 on each, no traceback
+    (nothing was trained or written yet); once armed, a signal is a stop asked of the run (stop.py);
   - a failing rank leaves with os._exit(1) instead of a normal exit, which could hang in a collective or in a
     process-group shutdown waiting for a dead peer. The message is the last thing the rank prints; user
     mistakes (ValueError, NonFiniteError) print without a traceback, since the message names the fix.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -38,6 +42,7 @@ def main(argv=None) -> None:
     # Every rank runs the same code, so rank 0's log and warnings say all there is; the others' would repeat it.
     logging.basicConfig(level=logging.INFO if _rank() == 0 else logging.WARNING, format="%(message)s")
     quiet_warnings(_rank())
+    cfg, trained = None, False
     try:
         from .config import parse_args
 
@@ -56,17 +61,33 @@ def main(argv=None) -> None:
         from .loop import train
 
         train(cfg)
+        trained = True
         destroy_distributed()
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # where the run's own handlers are not armed: before its watch started, or after it
+        _interrupted("after the run ended" if trained else "during the dry run" if cfg and cfg.dry_run
+                     else "during the start-up checks, before training started: nothing was trained or written; the "
+                          "same command starts the run")
     except Stopped as e:  # asked to stop, and stopped with a checkpoint: one line, and the signal's exit code
-        if _rank() == 0:
+        if job_watch.speaks_for_node():  # rank 0, and each other node's lowest rank on its console
             print(e, file=sys.stderr, flush=True)
             record_for_launcher(str(e))
         destroy_distributed()
         sys.exit(e.code)
     except BaseException as e:  # noqa: BLE001 - every failure ends here, reported once
         _fail(e)
+
+
+def _interrupted(when: str) -> None:
+    """Ctrl-C outside the run's stop handlers: one line (rank 0; Ctrl-C signals every rank of the terminal's group),
+    and the exit code of a SIGINT on every rank; os._exit as in a failure, since the process group may be half up."""
+    if _rank() == 0:
+        message = f"stopped by SIGINT (Ctrl-C) {when}"
+        print(message, file=sys.stderr, flush=True)
+        record_for_launcher(message)
+    sys.stdout.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def _rank() -> int:

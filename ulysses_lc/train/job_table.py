@@ -3,6 +3,8 @@
   RankTable            host, node and pid of every global rank, gathered once at start (`gather`)
   Report               one failure: "error (rank 5 on node 1, host h): <message>", JSON on the job's store
   record_for_launcher  the text torchrun's closing summary ends with
+  Heartbeats           rank 0's view of every node's heartbeat counter: a node whose counter stops is silent
+  ends_last            whether DeepSpeed's launch.py ends this rank last, after its other lines
 """
 
 from __future__ import annotations
@@ -88,6 +90,43 @@ class Report:
         return cls(**json.loads(raw))
 
 
+class Heartbeats:
+    """Rank 0's view of every node's heartbeat counter on the job's store (each node's leader adds one a poll)."""
+
+    def __init__(self, table: RankTable, now: float):
+        self.table = table
+        self.seen = {n: (-1, now) for n in set(table.nodes)}  # node -> (counter, when it last moved)
+
+    def silent(self, store, key, node_timeout_s: float) -> list[tuple[int, float]]:
+        """Nodes whose counter has not moved for node_timeout_s, and for how long; never one whose leader finished
+        its run. key(name): the store key of `name`."""
+        nodes = sorted(n for n in self.seen if n != self.table.node)
+        if not nodes:
+            return []
+        counts = store.multi_get([key(f"beat/{n}") for n in nodes])
+        now, silent = time.monotonic(), []
+        for node, raw in zip(nodes, counts):
+            count, since = self.seen[node]
+            if int(raw) != count:
+                self.seen[node] = (int(raw), now)
+            elif now - since > node_timeout_s:
+                leader = min(self.table.on_node(node))
+                if not store.check([key(f"done/{leader}")]):
+                    silent.append((node, now - since))
+        return silent
+
+    def hint(self, after_s: float) -> str:
+        """Rank 0, for a "lost contact" line: the node silent the longest, where one has been for after_s."""
+        if self.table.rank != 0:
+            return ""
+        now = time.monotonic()
+        quiet = [(now - since, n) for n, (_, since) in self.seen.items() if n != self.table.node]
+        quiet_s, node = max(quiet, default=(0.0, None))
+        if quiet_s < after_s:
+            return ""
+        return f"; {self.table.describe_node(node)} has sent no heartbeat for {quiet_s:.0f} s: it is down or unreachable"
+
+
 def gather(extra) -> tuple[RankTable, list]:
     """Collective over the world: the rank table, and every rank's `extra` (picklable) in rank order."""
     entries = [None] * torch.distributed.get_world_size()
@@ -127,3 +166,19 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def ends_last(table: RankTable, launchers: list[int] | None) -> bool:
+    """Whether this rank is the last that DeepSpeed's launch.py ends (`launchers`: stop.launcher_pids at start). Once a
+    rank exits non-zero, launch.py prints "Killing subprocess <pid>" for each of its ranks in local-rank order, SIGTERMs
+    that rank and waits for it to exit before the next, then prints "<cmd> exits with return code = N" and exits. A
+    line the last live rank prints as that SIGTERM ends it follows every "Killing" line of a live rank; only those of
+    dead ranks later in the order and the exit code's come after it, and nothing of the job can print after those
+    (their process has exited; launch.py's parent, the runner, exits at once)."""
+    import psutil
+
+    try:
+        ours = bool(launchers) and "deepspeed.launcher.launch" in " ".join(psutil.Process(launchers[0]).cmdline())
+    except psutil.Error:
+        return False
+    return ours and not any(alive(table.pids[r]) for r in table.local() if r > table.rank)

@@ -28,8 +28,9 @@ The watcher, one daemon thread per rank waking once a second (POLL_S), off the s
   - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary
     and exits 1 (the launcher ends the node's other ranks). A report from this node is printed by its reporter.
   - a node whose counter stays still for node_timeout_s (no rank left to report: power, network): rank 0 reports it.
-  - the store gone (node 0's launcher or rank 0 ended): the leader says so after SETTLE_S (a report of its own node
-    prints first), and exits. A store that hangs instead (a network partition) blocks the thread.
+  - the store gone: node 0's torchrun agent ended (its ranks may live on): a stop asked of the run, as above; rank 0,
+    where its process held it: the leader says so after SETTLE_S (a report of its own node prints first), and exits.
+    A store that hangs instead (a network partition) blocks the thread.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import uuid
 
 import torch
 
-from .job_table import RankTable, Report, agent_hosts_store, alive, gather, record_for_launcher, single
+from .job_table import (Heartbeats, RankTable, Report, agent_hosts_store, alive, ends_last, gather,
+                        record_for_launcher, single)
 from .stop import SignalHook, StopRequest, launcher_pids, signal_reason
 
 POLL_S = 1.0
@@ -124,7 +126,13 @@ def await_cause(timeout: float) -> str:
     while time.monotonic() < deadline:
         watch._poll()
         time.sleep(POLL_S)
-    return watch._silence_hint()
+    if watch._store_lost_at is not None and agent_hosts_store():
+        return f"; the job's store at {_store_address()} (node 0's launcher) is gone too: node 0 ended or is unreachable"
+    return watch._beats.hint(3 * POLL_S)
+
+
+def _store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
 class JobWatch:
@@ -132,8 +140,8 @@ class JobWatch:
 
     def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float, stop_grace_s: float = 25.0):
         self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
-        self.stop_request, self._launchers = StopRequest(stop_grace_s, announce=table.rank == 0), []  # stop.py
         self.leader = table.rank == min(table.on_node(table.node))
+        self.stop_request, self._launchers = StopRequest(stop_grace_s, announce=self.leader), []  # stop.py
         self._halt = threading.Event()
         self._clean = False  # stopped at the normal end of the run: nothing may end the process from the thread
         self._thread = None
@@ -141,7 +149,7 @@ class JobWatch:
         self._store_lost_at = None  # monotonic time of the first failed store request
         self._own_node_report = None  # (report, monotonic time first seen): its reporter prints it
         now = time.monotonic()
-        self._beats = {n: (-1, now) for n in set(table.nodes)}  # rank 0: node -> (counter, when it last moved)
+        self._beats = Heartbeats(table, now)  # rank 0's: every node's counter, when it last moved
 
     def stop(self, clean: bool) -> None:
         """End the watch. clean: the run ended normally on this rank, so its exit is no fault."""
@@ -155,7 +163,8 @@ class JobWatch:
             if not clean:
                 return
             try:
-                self.store.set(self._key(f"done/{self.table.rank}"), "1")
+                if self._store_lost_at is None:  # a store known gone is not asked again (it prints C++ frames)
+                    self.store.set(self._key(f"done/{self.table.rank}"), "1")
             except Exception:  # noqa: BLE001 - a store gone at the end of a clean run: nobody is left to be misled
                 pass
         self.signals.disarm()
@@ -164,7 +173,7 @@ class JobWatch:
 
     def _arm(self) -> None:
         if self.table.rank == 0 and self.store is not None:  # every node's counter exists before rank 0 reads them
-            for node in self._beats:
+            for node in self._beats.seen:
                 self.store.add(self._key(f"beat/{node}"), 0)
         self.signals.arm(lambda signum: self._on_signal(signum, watcher=False))
         self._launchers = launcher_pids()
@@ -186,7 +195,9 @@ class JobWatch:
         ended = [pid for pid in self._launchers or [] if not alive(pid)]
         if ended:  # the ranks never outlive their launcher
             self._launchers = None  # ended
-            self.stop_request.request(f"its launcher (pid {ended[0]}) ended", 1)
+            t = self.table
+            on = f" on node {t.node}, host {t.hosts[t.rank]}" if t.num_nodes > 1 else ""
+            self.stop_request.request(f"its launcher (pid {ended[0]}{on}) ended", 1)
         if self.stop_request.overdue():  # published, so that other nodes' ranks, maybe waiting on this one, end too
             first = self._publish(self._report(self.table.rank, self.stop_request.overdue_line()))
             self._end(first, speak=first.by == self.table.rank, code=self.stop_request.code)
@@ -231,15 +242,18 @@ class JobWatch:
             self._end(report, speak=False)  # its reporter should have ended this node by now
 
     def _after_store_lost(self) -> None:
-        if self._store_lost_at is None or time.monotonic() - self._store_lost_at < SETTLE_S or \
-                self._launchers is None:  # the launcher ended (torchrun's: with the store); the stop needs neither
+        if self._store_lost_at is None or self._launchers is None:  # the launcher ended (torchrun's: with the store);
+            return  # the stop needs neither
+        if agent_hosts_store():  # node 0's torchrun agent ended, its ranks maybe not: a stop, saved at the boundary
+            self.stop_request.request(f"the job's store at {_store_address()} is gone: node 0's launcher (torchrun's "
+                                      "agent, which holds it) ended, or node 0 is unreachable", 1)
+            return
+        if time.monotonic() - self._store_lost_at < SETTLE_S:
             return
         if self._own_node_report is not None:  # printed by its reporter; the launcher has not ended this rank
             self._end(self._own_node_report[0], speak=False)
-        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-        keeper = "node 0's launcher" if agent_hosts_store() else "rank 0"
-        self._end(self._report(self.table.rank, f"lost the job's store at {host}:{port}: its host ({keeper}) ended, "
-                                                f"so every rank stops; the cause is on node 0's console"),
+        self._end(self._report(self.table.rank, f"lost the job's store at {_store_address()}: its host (rank 0) "
+                                                f"ended, so every rank stops; the cause is on node 0's console"),
                   speak=self.leader)
 
     # -- checks ------------------------------------------------------------------------------------------------
@@ -256,49 +270,27 @@ class JobWatch:
             self._store_lost_at = time.monotonic()
             return gone
 
-    def _report_gone(self, gone: list[int]) -> None:
-        """The lowest live rank of the node reports a peer that exited without a report; returns on the others."""
+    def _report_gone(self, gone: list[int], ended_by: int | None = None) -> None:
+        """The lowest live rank of the node reports a peer that exited without a report; returns on the others.
+        ended_by: the launcher's signal that woke this rank (`_end`)."""
         t = self.table
         if t.rank != min(r for r in t.local() if r not in gone):
             return
         known = self._known_report()
         if known is not None or (self._store_lost_at is not None and 0 not in gone):  # reported (maybe by the peer),
-            self._end(known, speak=False)  # or node 0 ended, printed there; rank 0 gone here is this rank's to name
+            self._end(known, speak=False, ended_by=ended_by)  # or node 0 ended, printed there; rank 0 gone here is
+            # this rank's to name
         r = gone[0]
         also = f" (and {', '.join(f'rank {g}' for g in gone[1:])})" if len(gone) > 1 else ""
         first = self._publish(self._report(
             r, f"rank {r} (pid {t.pids[r]} on host {t.hosts[r]}){also} exited without a report: killed by a signal "
                f"(SIGKILL), or by the kernel's out-of-memory killer (`dmesg | grep -i 'killed process'` on "
                f"{t.hosts[r]} says which)?"))
-        self._end(first, speak=first.by == t.rank)
+        self._end(first, speak=first.by == t.rank, ended_by=ended_by)
 
     def _silent_nodes(self) -> list[tuple[int, float]]:
         """Rank 0: nodes whose heartbeat counter has not moved for node_timeout_s, and for how long."""
-        nodes = sorted(n for n in self._beats if n != self.table.node)
-        if not nodes:
-            return []
-        counts = self.store.multi_get([self._key(f"beat/{n}") for n in nodes])
-        now, silent = time.monotonic(), []
-        for node, raw in zip(nodes, counts):
-            count, since = self._beats[node]
-            if int(raw) != count:
-                self._beats[node] = (int(raw), now)
-            elif now - since > self.node_timeout_s:
-                leader = min(self.table.on_node(node))
-                if not self.store.check([self._key(f"done/{leader}")]):
-                    silent.append((node, now - since))
-        return silent
-
-    def _silence_hint(self) -> str:
-        """Rank 0, for a "lost contact" line: the node silent the longest, where one has been for a few polls."""
-        if self.table.rank != 0:
-            return ""
-        now = time.monotonic()
-        quiet = [(now - since, n) for n, (_, since) in self._beats.items() if n != self.table.node]
-        quiet_s, node = max(quiet, default=(0.0, None))
-        if quiet_s < 3 * POLL_S:
-            return ""
-        return f"; {self.table.describe_node(node)} has sent no heartbeat for {quiet_s:.0f} s: it is down or unreachable"
+        return self._beats.silent(self.store, self._key, self.node_timeout_s)
 
     # -- the store ---------------------------------------------------------------------------------------------
 
@@ -351,18 +343,19 @@ class JobWatch:
             return
         gone = self._gone_peers()
         if gone:
-            self._report_gone(gone)  # returns where another rank of this node reports it
+            self._report_gone(gone, ended_by=signum)  # returns where another rank of this node reports it
         known = self._known_report()
         if known is None and not self._halt.is_set():
             # A repeat changes nothing: launchers forward the signal their group got too (torchrun, DeepSpeed's
             # launch.py), and the grace period bounds the wait.
             self.stop_request.request(signal_reason(signum), 128 + signum)
             return  # the loop stops at its next step boundary, with a checkpoint
-        self._end(known, speak=False, code=128 + signum)
+        self._end(known, speak=False, code=128 + signum, ended_by=signum)
 
-    def _end(self, report: Report | None, *, speak: bool, code: int = 1) -> None:
-        """End the process for `report`: printed as this rank's last line where `speak`, recorded for the launcher's
-        summary either way, then exit `code`. Returns only where another thread is ending the process already."""
+    def _end(self, report: Report | None, *, speak: bool, code: int = 1, ended_by: int | None = None) -> None:
+        """End the process for `report`: printed as this rank's last line where `speak` or where DeepSpeed's launch.py
+        ends this rank last (ended_by: its signal; job_table.ends_last), recorded for the launcher's summary either
+        way, then exit `code`. Returns only where another thread is ending the process already."""
         if self._clean and threading.current_thread() is self._thread:
             return  # a request that outlived stop(): the run ended cleanly
         if not _ending.acquire(blocking=False):
@@ -373,13 +366,16 @@ class JobWatch:
         t = self.table
         if report is not None:
             sys.stdout.flush()
-            if speak:
+            if speak or ended_by and ends_last(t, self._launchers):
                 print(report.line(), file=sys.stderr, flush=True)
             record_for_launcher(report.line())
         if speak and report.by == t.rank:
             self._let_other_nodes_read()
         if report is not None and (not speak or report.rank not in (None, t.rank) and not agent_hosts_store()):
-            time.sleep(LINGER_S)  # the node's speaker, or a dead peer, is seen to end first by the launcher naming it
+            # The node's speaker, or a dead peer, is seen to end first by the launcher naming it; a SIGTERM of
+            # DeepSpeed's launch.py meanwhile, to the last rank it ends, has the line printed again after its own.
+            if not ended_by and self.signals.wait(LINGER_S, self._halt) and ends_last(t, self._launchers):
+                print(report.line(), file=sys.stderr, flush=True)
         os._exit(code)
 
     def _let_other_nodes_read(self) -> None:

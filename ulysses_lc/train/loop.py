@@ -31,10 +31,10 @@ from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..parallel.sharding import shard_batch
 from ..parallel.zero_reshard import universal_config
-from .run_state import (check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line, save_checkpoint,
-                        write_run_file)
+from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line,
+                        save_checkpoint, write_run_file)
 from .config import TrainConfig
-from .checkpoint_files import finite_state
+from .checkpoint_files import agree_on_write, finite_state, write_failure
 from .console import RunLogger, layout_line, startup_block
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
@@ -136,6 +136,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
         )
 
+    _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
     hf_model = load_model(model_settings.name, model_config, model_settings.dtype, run.seed, device, ds_config,
                           checked.peft_config)
@@ -204,10 +205,15 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             for line in [resume_line(loaded, world, sp_size, global_batch), *change_lines(run.changed),
                          *([extended] if extended else [])]:
                 logger.info(line)
-        if run_files.writes:
-            record_resume(out, run.flags, start_step, run.changed, sp_size, world)
-    elif run_files.writes:
-        write_run_file(out, run.flags, sp_size, world)
+    failed = None
+    try:  # run.json, one writer a folder: a disk that refuses it stops every rank here, with the cause
+        if run_files.writes and output.resume:
+            record_resume(out, run.flags, start_step, run.changed, sp_size, world)  # the old one stays on a failure
+        elif run_files.writes:
+            write_run_file(out, run.flags, sp_size, world)
+    except OSError as e:
+        failed = write_failure(out / RUN_FILE, e, latest_checkpoint(out) if output.resume else None)
+    agree_on_write(failed)
 
     # FLOPs of one sequence over the sp_size GPUs that share it: per-GPU figures hold for any DP size. Without a
     # GPU the figures mean nothing, so the line shows "-".
@@ -215,6 +221,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                                  cached_attention_layers=plan.cache_attention_layers) \
         if device.type == "cuda" and not dpo else None  # DPO: pairs shorter than seq_len, a reference forward: "-"
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
+    _stop_before_start(stop, layout, device, out, output.resume)  # while the weights loaded and the engine started
+    stop.training = True
     records = []
     with RunLogger(
         out, steps, tokens_per_step=seq_len * global_batch, world_size=sp_size, flops=flops,
@@ -252,14 +260,19 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
-            record = step_logger.log(
-                step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
-                lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
-                # Unpacked windows are one causal stream each: no document count to show.
-                trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
-                padding_share=padding / (seq_len * global_batch),
-                **(mean_metrics(pair_metrics, layout) if dpo else {}),
-            )
+            failed = None
+            try:
+                record = step_logger.log(
+                    step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
+                    lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
+                    # Unpacked windows are one causal stream each: no document count to show.
+                    trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
+                    padding_share=padding / (seq_len * global_batch),
+                    **(mean_metrics(pair_metrics, layout) if dpo else {}),
+                )
+            except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
+                record, failed = None, f"step {step + 1}: " + write_failure(
+                    Path(e.filename) if e.filename else step_logger.jsonl_path, e, latest_checkpoint(out))
             stream.position += global_batch
             if record is not None:
                 records.append(record)
@@ -272,7 +285,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
                     f"{optim.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
                     "--lr <lower> (a new --lr applies on resume).")
-            stopping = stop.agreed(layout, device)  # a SIGTERM, SIGINT or launcher's end on any rank (stop.py)
+            # A SIGTERM, SIGINT or launcher's end on any rank (stop.py), or a write refused (SaveFailed on every rank).
+            stopping = stop.agreed(layout, device, failed)
             if (output.save_every and done % output.save_every == 0) or done == steps or stopping:
                 if not finite_state(engine):
                     raise NonFiniteError(
@@ -294,6 +308,16 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         logger.info("done: %d steps in %s (checkpoint %s%s)", steps, out, latest_checkpoint(out),
                     f", Hugging Face model {out / EXPORT_DIR}" if output.export else "")
     return records
+
+
+def _stop_before_start(stop: StopRequest, layout: ParallelLayout, device, out: Path, resume: bool) -> None:
+    """Collective: a stop asked during the start-up (a Ctrl-C while the data tokenized or the weights loaded) ends it
+    there, on every rank, before a step is trained: nothing is saved (a resume's checkpoint stays as it was)."""
+    stopping = stop.agreed(layout, device)
+    if stopping:
+        then = f"--resume --output-dir {out} continues from {latest_checkpoint(out)} as before" if resume else \
+            "nothing was trained; the same command starts the run"
+        raise Stopped(f"stopped before training started by {stopping}: {then}", stop.code)
 
 
 def _apply_lr(scheduler, schedule: Schedule, optim: OptimSettings) -> None:

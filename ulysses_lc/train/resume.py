@@ -58,6 +58,20 @@ APPLIED = {
     "keep_on_gpu": "the memory plan", "recompute_layers": "the memory plan",
     "cache_attention_layers": "the memory plan",
 }
+# DeepSpeed config keys that a resume applies, with a line: by DeepSpeed's config reference
+# (https://www.deepspeed.ai/docs/config-json/, docs/_pages/config-json.md in its repository) they are logging,
+# profiling and monitoring ("Logging", "Flops Profiler", "Monitoring Module", "Communication Logging"), or how ZeRO-3
+# schedules the same gathers and reductions (bucket sizes, prefetch, overlap, which small parameters stay whole):
+# memory and speed, not values. Every other key (the ZeRO stage, precision, the optimizer and its offload, gradient
+# clipping, the batch, the data types, ...) stays refused: it changes what is trained or the optimizer state's form.
+DS_APPLIED = {
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler", "tensorboard",
+    "wandb", "csv_monitor", "comet", "comms_logger", "timers",
+    "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
+    "zero_optimization.allgather_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance",
+}
 # Applied too; the resume line says what was resharded or changed (run_state.resume_line).
 LAYOUT = ("sp_size", "sp_placement", "global_batch")
 # How this launch runs, not what the run is: never taken from the saved run.
@@ -79,25 +93,31 @@ def resolve(cfg: TrainConfig, out: Path | None) -> tuple[TrainConfig, dict]:
     taken = {f.name: saved[f.name] for f in fields(cfg)
              if f.name in saved and f.name not in named and f.name not in INVOCATION + LAYOUT}
     cfg = replace(cfg, **taken)
-    check_kept(cfg, saved, out)
+    ds_changed = check_kept(cfg, saved, out)
     changed = {f: (saved[f], getattr(cfg, f)) for f in APPLIED if f in saved and saved[f] != getattr(cfg, f)}
-    return cfg, changed
+    return cfg, {**changed, **({SETTINGS: ds_changed} if ds_changed else {})}
 
 
-def check_kept(cfg: TrainConfig, saved: dict, out: Path) -> None:
+def check_kept(cfg: TrainConfig, saved: dict, out: Path) -> tuple[dict, dict] | None:
     """ValueError naming the first KEPT setting of `cfg` that differs from the saved run's. The DeepSpeed config is
     compared by what it holds (run.json keeps it), not by its name: the same file moved is no change, a file
-    edited since the run started is one."""
+    edited since the run started is one, applied where it only changes DS_APPLIED keys: returned as
+    ({key: saved}, {key: now}), dotted keys (None: no change)."""
     before_lora = {"lora_r": 0, "lora_targets": "all"}  # a run.json written before the LoRA flags
+    ds_changed = None
     if SETTINGS in saved:
         now = load_deepspeed_config(cfg.ds_config)
-        if now != saved[SETTINGS]:
-            shown = "; ".join(_differences(saved[SETTINGS], now)[:4])
+        differ = _differences(saved[SETTINGS], now)
+        kept = [(key, was, new) for key, was, new in differ if not _ds_applied(key)]
+        if kept:
+            shown = "; ".join(f"{key}: {was!r} -> {new!r}" for key, was, new in kept[:4])
             raise ValueError(
                 f"--resume: the checkpoint in {out} was trained with another DeepSpeed config than --ds-config "
                 f"{cfg.ds_config} holds now ({shown}); put the saved settings back (run.json's {SETTINGS} holds "
                 f"them) or use another --output-dir (the DeepSpeed config cannot change on a resume: "
-                f"{KEPT['ds_config']}).")
+                f"{KEPT['ds_config']}; only logging, profiling and ZeRO's bucket and prefetch sizes can).")
+        if differ:
+            ds_changed = ({key: was for key, was, _ in differ}, {key: new for key, _, new in differ})
         saved = {**saved, "ds_config": cfg.ds_config}
     for field, why in KEPT.items():
         was = saved.get(field, before_lora.get(field, getattr(cfg, field)))
@@ -106,14 +126,21 @@ def check_kept(cfg: TrainConfig, saved: dict, out: Path) -> None:
                 f"--resume: the checkpoint in {out} was trained with {field}={was!r}, not {getattr(cfg, field)!r}; "
                 f"resume with the same settings or use another --output-dir ({_flag(field)} cannot change on a "
                 f"resume: {why}).")
+    return ds_changed
 
 
-def _differences(was, now, key: str = "") -> list[str]:
-    """The settings two configs differ in, as 'a.b: was -> now' (absent where one lacks the key)."""
+def _ds_applied(key: str) -> bool:
+    """Whether a resume applies a change of the DeepSpeed config at dotted `key` (itself or a block it is in)."""
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in DS_APPLIED for n in range(1, len(parts) + 1))
+
+
+def _differences(was, now, key: str = "") -> list[tuple]:
+    """The settings two configs differ in, as (dotted key, was, now) (absent where one lacks the key)."""
     if isinstance(was, dict) and isinstance(now, dict):
         return [d for k in sorted(set(was) | set(now), key=str)
                 for d in _differences(was.get(k, _ABSENT), now.get(k, _ABSENT), f"{key}.{k}" if key else k)]
-    return [] if was == now else [f"{key}: {was!r} -> {now!r}"]
+    return [] if was == now else [(key, was, now)]
 
 
 class _Absent:
@@ -128,7 +155,11 @@ def change_lines(changed: dict) -> list[str]:
     """One line per applied change whose line is said here."""
     lines = []
     for field, (was, now) in changed.items():
-        if APPLIED[field] is not None:
+        if field == SETTINGS:
+            shown = ", ".join(f"{key} {was[key]!r} -> {now[key]!r}" for key in was)
+            lines.append(f"--ds-config on resume: {shown}: logging, or how ZeRO schedules the same gathers and "
+                         "reductions (the trained values do not change)")
+        elif APPLIED[field] is not None:
             lines.append(f"{_flag(field)} {was!r} -> {now!r} on resume: {APPLIED[field]}")
     return lines
 
@@ -141,7 +172,7 @@ def record_resume(out: Path, cfg: TrainConfig, step: int, changed: dict, sp_size
     record = {**asdict(cfg), SETTINGS: load_deepspeed_config(cfg.ds_config), "sp_size": sp_size,
               "world_size": world_size, "resumes": [*saved.get("resumes", []), entry]}
     tmp = out / ".run.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2))
+    tmp.write_text(json.dumps(record, indent=2, default=repr))  # repr: a DeepSpeed key absent on one side
     tmp.replace(out / RUN_FILE)  # a crash leaves the old record or the new one, never half
 
 

@@ -29,8 +29,8 @@ import torch
 
 from ..parallel.ds_config import load_deepspeed_config
 from ..parallel.zero_reshard import load_resharded, model_states_name, read_model_states, saved_partitions
-from .checkpoint_files import (MANIFEST, SaveFailed, choose_checkpoint, recording_files, save_failure, state_bytes,
-                               verify, write_manifest)
+from .checkpoint_files import (MANIFEST, choose_checkpoint, raise_first_failure, recording_files, save_failure,
+                               state_bytes, verify, write_manifest)
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_FILE = "run.json"
@@ -140,7 +140,7 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
 
     every = [None] * world
     torch.distributed.all_gather_object(every, (written, failure_of(*failed[0]) if failed else None))  # a barrier too
-    _stop_on_failure([f for _, f in every])
+    raise_first_failure([f for _, f in every])
     failure = None
     if owner:
         try:
@@ -155,16 +155,7 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
                 _prune(ckpt_dir, keep)
     every = [None] * world
     torch.distributed.all_gather_object(every, failure)  # also the barrier: `latest` names the new tag
-    _stop_on_failure(every)
-
-
-def _stop_on_failure(failures: list[str | None]) -> None:
-    """Every rank raises SaveFailed with the first failing rank's cause, where any rank's write failed."""
-    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
-    if failed:
-        rank, failure = failed[0]
-        others = f" and {len(failed) - 1} more" if len(failed) > 1 else ""
-        raise SaveFailed(failure + (f" (rank {rank}{others})" if len(failures) > 1 else ""))
+    raise_first_failure(every)
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .checkpoint_files import raise_first_failure
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LAUNCHERS = ("torch.distributed.run", "torchrun", "deepspeed", "accelerate", "mpirun")
 
@@ -45,6 +47,7 @@ class StopRequest:
         self.reason: str | None = None
         self.code = 1
         self.at: float | None = None
+        self.training = False  # set by the loop at its first step: before it, a stop ends the start-up instead
 
     def request(self, reason: str, code: int) -> bool:
         """Remember a stop; False where one was asked already (a repeat: launchers forward their group's signal)."""
@@ -52,24 +55,36 @@ class StopRequest:
             return False
         self.reason, self.code, self.at = reason, code, time.monotonic()
         if self.announce:  # a step can take minutes: the user learns now that the signal was heard
-            print(f"stopping: {reason}; the run stops at the end of this step with a checkpoint, or exits without "
-                  f"one past --stop-grace-s {self.grace_s:g}", file=sys.stderr, flush=True)
+            where = "at the end of this step with a checkpoint" if self.training else \
+                "before training starts (at the start-up's next stage)"
+            print(f"stopping: {reason}; the run stops {where}, or exits without one past --stop-grace-s "
+                  f"{self.grace_s:g}", file=sys.stderr, flush=True)
         return True
 
     def overdue(self) -> bool:
         return self.at is not None and time.monotonic() - self.at > self.grace_s
 
     def overdue_line(self) -> str:
+        if not self.training:
+            return (f"stopped by {self.reason} before training started, but the start-up's stage (loading, "
+                    f"tokenizing) did not end within --stop-grace-s {self.grace_s:g}: exits; nothing was trained")
         return (f"stopped by {self.reason}, but the step and its checkpoint did not end within --stop-grace-s "
                 f"{self.grace_s:g}: exits without a new checkpoint (raise --stop-grace-s where a step and a save "
                 "take longer)")
 
-    def agreed(self, layout, device) -> str | None:
-        """Collective at a step boundary: this rank's reason, or another rank's stop, or None to go on."""
-        flag = torch.tensor([0 if self.reason is None else self.code], device=device)
+    def agreed(self, layout, device, failure: str | None = None) -> str | None:
+        """Collective at a step boundary: this rank's reason, or another rank's stop, or None to go on. failure: this
+        rank's write that failed in the step (metrics.jsonl, rank 0's), which every rank raises (SaveFailed)."""
+        flag = torch.tensor([0 if self.reason is None else self.code, int(failure is not None)], device=device)
         if layout.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layout.world_group)
-        code = int(flag.item())
+        code, failed = flag.tolist()
+        if failed:
+            every = [failure]
+            if layout.world_size > 1:
+                every = [None] * layout.world_size
+                dist.all_gather_object(every, failure, group=layout.world_group)
+            raise_first_failure(every)
         if not code:
             return None
         every = [self.reason]  # once, at the stop: what each rank was asked, so every rank says the first one
