@@ -157,6 +157,56 @@ def test_a_check_failing_on_node_1_only_ends_node_0_before_any_work(tmp_path):
     assert not (node0 / "run").exists()  # nothing written by a refused run
 
 
+SLOW_STEPS = """
+import sys
+import time
+
+import ulysses_lc.train.loop as loop
+from ulysses_lc.train.cli import main
+
+shard_batch, calls = loop.shard_batch, []
+
+
+def slow_shard_batch(*args, **kwargs):  # from step 4 on, a large model's step: longer than SETTLE_S (6 s)
+    calls.append(1)
+    if len(calls) >= 4:
+        time.sleep(8)
+    return shard_batch(*args, **kwargs)
+
+
+loop.shard_batch = slow_shard_batch
+main(sys.argv[1:])
+"""
+
+
+def test_node_0s_agent_killed_stops_every_rank_at_a_step_with_a_checkpoint_and_node_1_says_why(tmp_path):
+    """torchrun's agent on node 0 SIGKILLed (an OOM kill, a node agent's restart) takes the job's store with it; every
+    rank lives on. Node 1's ranks ended SETTLE_S (6 s) after the store's loss, within the step, saying only that the
+    store was lost: no checkpoint anywhere, and node 0's ranks then lost contact. Now the store's loss asks a stop, as
+    the launcher's end does on node 0: every rank stops at the step's boundary, each node saves its copy, and node 1's
+    console names node 0's launcher."""
+    from ulysses_lc.train.checkpoint_files import verify
+
+    script = tmp_path / "slow_steps.py"
+    script.write_text(SLOW_STEPS)
+    job = _Running([str(script), "--steps", "40", "--save-every", "0", *ARGS], _cwds(tmp_path))
+    job.wait_for(0, "step 3/")
+    agent = job.procs[0].pid
+    job.procs[0].kill()  # in step 4, 8 s long
+    job.finish(HANG_GUARD_S)
+    out0, out1 = job.output(0), job.output(1)
+    for out in (out0, out1):
+        stopped = [line for line in out.splitlines() if line.startswith("stopped at step ")]
+        assert len(stopped) == 1 and f"by its launcher (pid {agent} on node 0, host " in stopped[0], out[-3000:]
+        assert "checkpoint run/checkpoints/step4 written: --resume --output-dir run continues" in stopped[0], stopped
+    assert "stopping: the job's store at 127.0.0.1:" in out1 and "node 0's launcher (torchrun's agent" in out1, out1
+    assert "lost contact" not in out0 + out1 and "lost the job's store" not in out1, out0 + out1
+    for node in _cwds(tmp_path):  # node-local disks: each node's copy, complete
+        assert (node / "run" / "checkpoints" / "latest").read_text() == "step4"
+        tag = node / "run" / "checkpoints" / "step4"
+        assert (tag / "manifest.json").is_file() and verify(tag) == [], node
+
+
 # -- the heartbeat, without a launcher ----------------------------------------------------------------------------
 
 def test_a_silent_node_is_named_after_the_timeout_and_a_finished_one_is_not(monkeypatch):
@@ -199,3 +249,41 @@ def test_node_numbers_come_from_the_launcher_or_else_the_host():
     assert table.nodes == (0, 0, 1, 1) and table.local() == [2, 3] and table.where(2) == "rank 2 on node 1, host h"
     table = RankTable.from_entries([("x", None, 1), ("y", None, 2), ("x", None, 3)], rank=1)
     assert table.nodes == (0, 1, 0) and table.local() == [1] and table.describe_node(0) == "node 0 (host x, ranks 0, 2)"
+
+
+def test_the_store_lost_on_another_node_asks_a_stop_and_names_node_0s_launcher(monkeypatch):
+    """Node 1's leader, its own launcher alive, finds the job's store gone (node 0's torchrun agent ended): a stop at the
+    step boundary, not an end SETTLE_S later; where the ranks then lose contact (node 0 gone whole), the line says
+    that the store went with node 0's launcher."""
+    import ulysses_lc.train.job_watch as job_watch
+
+    class Ended(Exception):
+        pass
+
+    class GoneStore:
+        def __getattr__(self, name):
+            raise RuntimeError("Connection reset by peer")  # as a TCPStore whose host ended
+
+    now = [1000.0]
+    monkeypatch.setattr(job_watch.time, "monotonic", lambda: now[0])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    pid = os.getpid()
+    watch = JobWatch(RankTable(("a", "a", "b", "b"), (0, 0, 1, 1), (1, 2, pid, pid), 2), GoneStore(), "t/",
+                     node_timeout_s=60)
+    watch._launchers = [pid]  # this node's launcher, alive
+
+    def end(report, *, speak, code=1, ended_by=None):
+        raise Ended(report.message)
+
+    watch._end = end
+    watch._poll()  # the store's first refusal
+    watch._poll()
+    assert watch.stop_request.reason == ("the job's store at 10.0.0.1:29500 is gone: node 0's launcher (torchrun's "
+                                         "agent, which holds it) ended, or node 0 is unreachable")
+    now[0] += job_watch.SETTLE_S + 1
+    watch._poll()  # nothing ends it: the stop is under way
+    monkeypatch.setattr(job_watch, "_current", watch)
+    assert job_watch.await_cause(0) == ("; the job's store at 10.0.0.1:29500 (node 0's launcher) is gone too: node 0 "
+                                        "ended or is unreachable")

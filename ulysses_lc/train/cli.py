@@ -70,7 +70,7 @@ def main(argv=None) -> None:
                      else "during the start-up checks, before training started: nothing was trained or written; the "
                           "same command starts the run")
     except Stopped as e:  # asked to stop, and stopped with a checkpoint: one line, and the signal's exit code
-        if _rank() == 0:
+        if job_watch.speaks_for_node():  # rank 0, and each other node's lowest rank on its console
             print(e, file=sys.stderr, flush=True)
             record_for_launcher(str(e))
         destroy_distributed()

@@ -28,8 +28,9 @@ The watcher, one daemon thread per rank waking once a second (POLL_S), off the s
   - a report from another node: the node's leader prints it as its last line, records it for the launcher's summary
     and exits 1 (the launcher ends the node's other ranks). A report from this node is printed by its reporter.
   - a node whose counter stays still for node_timeout_s (no rank left to report: power, network): rank 0 reports it.
-  - the store gone (node 0's launcher or rank 0 ended): the leader says so after SETTLE_S (a report of its own node
-    prints first), and exits. A store that hangs instead (a network partition) blocks the thread.
+  - the store gone: node 0's torchrun agent ended (its ranks may live on): a stop asked of the run, as above; rank 0,
+    where its process held it: the leader says so after SETTLE_S (a report of its own node prints first), and exits.
+    A store that hangs instead (a network partition) blocks the thread.
 """
 
 from __future__ import annotations
@@ -125,7 +126,13 @@ def await_cause(timeout: float) -> str:
     while time.monotonic() < deadline:
         watch._poll()
         time.sleep(POLL_S)
+    if watch._store_lost_at is not None and agent_hosts_store():
+        return f"; the job's store at {_store_address()} (node 0's launcher) is gone too: node 0 ended or is unreachable"
     return watch._beats.hint(3 * POLL_S)
+
+
+def _store_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
 class JobWatch:
@@ -133,8 +140,8 @@ class JobWatch:
 
     def __init__(self, table: RankTable, store, prefix: str, node_timeout_s: float, stop_grace_s: float = 25.0):
         self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
-        self.stop_request, self._launchers = StopRequest(stop_grace_s, announce=table.rank == 0), []  # stop.py
         self.leader = table.rank == min(table.on_node(table.node))
+        self.stop_request, self._launchers = StopRequest(stop_grace_s, announce=self.leader), []  # stop.py
         self._halt = threading.Event()
         self._clean = False  # stopped at the normal end of the run: nothing may end the process from the thread
         self._thread = None
@@ -156,7 +163,8 @@ class JobWatch:
             if not clean:
                 return
             try:
-                self.store.set(self._key(f"done/{self.table.rank}"), "1")
+                if self._store_lost_at is None:  # a store known gone is not asked again (it prints C++ frames)
+                    self.store.set(self._key(f"done/{self.table.rank}"), "1")
             except Exception:  # noqa: BLE001 - a store gone at the end of a clean run: nobody is left to be misled
                 pass
         self.signals.disarm()
@@ -187,7 +195,9 @@ class JobWatch:
         ended = [pid for pid in self._launchers or [] if not alive(pid)]
         if ended:  # the ranks never outlive their launcher
             self._launchers = None  # ended
-            self.stop_request.request(f"its launcher (pid {ended[0]}) ended", 1)
+            t = self.table
+            on = f" on node {t.node}, host {t.hosts[t.rank]}" if t.num_nodes > 1 else ""
+            self.stop_request.request(f"its launcher (pid {ended[0]}{on}) ended", 1)
         if self.stop_request.overdue():  # published, so that other nodes' ranks, maybe waiting on this one, end too
             first = self._publish(self._report(self.table.rank, self.stop_request.overdue_line()))
             self._end(first, speak=first.by == self.table.rank, code=self.stop_request.code)
@@ -232,15 +242,18 @@ class JobWatch:
             self._end(report, speak=False)  # its reporter should have ended this node by now
 
     def _after_store_lost(self) -> None:
-        if self._store_lost_at is None or time.monotonic() - self._store_lost_at < SETTLE_S or \
-                self._launchers is None:  # the launcher ended (torchrun's: with the store); the stop needs neither
+        if self._store_lost_at is None or self._launchers is None:  # the launcher ended (torchrun's: with the store);
+            return  # the stop needs neither
+        if agent_hosts_store():  # node 0's torchrun agent ended, its ranks maybe not: a stop, saved at the boundary
+            self.stop_request.request(f"the job's store at {_store_address()} is gone: node 0's launcher (torchrun's "
+                                      "agent, which holds it) ended, or node 0 is unreachable", 1)
+            return
+        if time.monotonic() - self._store_lost_at < SETTLE_S:
             return
         if self._own_node_report is not None:  # printed by its reporter; the launcher has not ended this rank
             self._end(self._own_node_report[0], speak=False)
-        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-        keeper = "node 0's launcher" if agent_hosts_store() else "rank 0"
-        self._end(self._report(self.table.rank, f"lost the job's store at {host}:{port}: its host ({keeper}) ended, "
-                                                f"so every rank stops; the cause is on node 0's console"),
+        self._end(self._report(self.table.rank, f"lost the job's store at {_store_address()}: its host (rank 0) "
+                                                f"ended, so every rank stops; the cause is on node 0's console"),
                   speak=self.leader)
 
     # -- checks ------------------------------------------------------------------------------------------------
