@@ -10,18 +10,20 @@ inside the band and one document are "full" (no mask evaluated); the rest run th
 document. The mask is built once per (length, window, documents) and reused by every layer of a step.
 
 Sinks (gpt-oss's `module.sinks`): one learned logit per head in every row's softmax denominator, with no value.
-With flex's log-sum-exp L of the row's keys: out = O sigmoid(L - sink), and the backward (`SinkScale`) gives flex
-dO = dout sigmoid and dL = rowsum(dout O) sigmoid (1 - sigmoid), which flex's backward takes as its log-sum-exp
-gradient; d sink = -sum dL. fp32 arithmetic in slices along the sequence.
+With flex's log-sum-exp L of the row's keys: out = O sigmoid(L - sink), in fp32, inside the compiled call
+(`flex_call`): autograd gives flex dO = dout sigmoid and dL = rowsum(dout O) sigmoid (1 - sigmoid), which flex's
+backward takes as its log-sum-exp gradient, and d sink = -sum dL.
 
 Its backward is flex's own (autograd through the compiled call): no kept output. A layer that keeps its attention
 output for the recompute (attention.kept_output_attention) runs window_attention's explicit kernels instead.
 
 Measured on one H200 (benchmarks/bench_window.py, 2026-12-02, torch 2.11, Triton 3.6, 262,144 tokens, gpt-oss-20b's
-64 x 64 heads, window 128; fwd+bwd TF/s on the FLOPs the window needs over causal cuDNN's): this path 0.14 without
-sinks and 0.07 with them, exact (tests/test_window_cuda.py); torch's flex as its docs show it (create_block_mask,
-compiled without dynamic shapes, no log-sum-exp) 0.19. So it is not window_attention's default yet. Suspected, not
-measured: the dynamic-shape compile, and the sink's scale in eager slices outside the compiled call (to fuse into it).
+64 x 64 heads, window 128; fwd+bwd TF/s on the FLOPs the window needs over causal cuDNN's), as it was then (a
+dynamic-shape compile, the log-sum-exp always returned, the sink's scale in eager fp32 slices outside the compiled
+call): 0.14 without sinks and 0.07 with them, exact (tests/test_window_cuda.py); torch's flex as its docs show it
+(create_block_mask, compiled without dynamic shapes, no log-sum-exp) 0.19. So it is not window_attention's default.
+Since: default compile shapes, no log-sum-exp without sinks, the sink's scale inside the compiled call; not yet
+measured on a GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import importlib.util
 import torch
 
 FLEX_BLOCK = 128
-_SLICE_BYTES = 256 << 20  # fp32 temporaries of the sink scale, one slice along the sequence at a time
 _MASKS: dict = {}  # (s, window, bounds, device) -> BlockMask; the last few, reused across a step's layers
 
 
@@ -49,10 +50,9 @@ def flex_available(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _compiled():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # dynamic: one compile per head layout serves every length (the exactness checks, a resume at another length)
-    return torch.compile(flex_attention, dynamic=True)
+    # torch.compile's default shapes: static for a run's one length (the fastest kernels), dynamic once a second
+    # length comes (a resume at another length, the tests), so the recompile limit is not reached
+    return torch.compile(flex_call)
 
 
 def _doc_ids(s: int, bounds, device) -> torch.Tensor:
@@ -121,53 +121,24 @@ def block_mask(s: int, window: int | None, bounds, device):
     return mask
 
 
-def _slices(x_bhs: torch.Tensor, width: int):
-    step = max(1, _SLICE_BYTES // (4 * x_bhs.shape[0] * x_bhs.shape[1] * max(1, width)))
-    return [slice(i, i + step) for i in range(0, x_bhs.shape[2], step)]
+def flex_call(q, k, v, block_mask, scale: float, enable_gqa: bool, sinks_h=None):
+    """flex attention over `block_mask`, with the sinks' scale out * sigmoid(L - sink) (module docstring) in the
+    same graph: compiled (`_compiled`), inductor fuses it into flex's epilogue and autograd takes dL into flex's
+    backward. Uncompiled (CPU, tests) flex runs its unfused reference forward."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-
-class SinkScale(torch.autograd.Function):
-    """out [b, h, s, d] * sigmoid(lse - sinks) per row (module docstring); lse [b, h, s] fp32, sinks [h]."""
-
-    @staticmethod
-    def forward(ctx, out, lse, sinks):
-        ct = torch.promote_types(out.dtype, torch.float32)  # fp32 arithmetic (fp64 stays fp64)
-        sig = torch.sigmoid(lse.to(ct) - sinks.to(ct).view(1, -1, 1))
-        scaled = torch.empty_like(out)
-        for sl in _slices(sig, out.shape[-1]):
-            scaled[:, :, sl] = (out[:, :, sl].to(ct) * sig[:, :, sl, None]).to(out.dtype)
-        ctx.save_for_backward(out, sig)
-        ctx.sink_dtype, ctx.lse_dtype = sinks.dtype, lse.dtype
-        return scaled
-
-    @staticmethod
-    def backward(ctx, dscaled):
-        out, sig = ctx.saved_tensors
-        dout = torch.empty_like(out)
-        dlse = torch.empty_like(sig)
-        for sl in _slices(sig, out.shape[-1]):
-            g = dscaled[:, :, sl].to(sig.dtype)
-            dout[:, :, sl] = (g * sig[:, :, sl, None]).to(out.dtype)
-            s = sig[:, :, sl]
-            dlse[:, :, sl] = (g * out[:, :, sl].to(sig.dtype)).sum(-1) * s * (1 - s)
-        return dout, dlse.to(ctx.lse_dtype), (-dlse.sum((0, 2))).to(ctx.sink_dtype)
+    if sinks_h is None:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                              return_aux=AuxRequest(lse=True))
+    gate = torch.sigmoid(aux.lse.float() - sinks_h.float().view(1, -1, 1))
+    return (out.float() * gate.unsqueeze(-1)).to(out.dtype)
 
 
 def flex_window_attention(q, k, v, scale: float, window: int | None, sinks_h=None, bounds=None):
     """[b, h, s, d] through one compiled flex call over the band's block mask (module docstring)."""
-    s = q.shape[2]
-    mask = block_mask(s, window, bounds, q.device)
-    gqa = q.shape[1] != k.shape[1]
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        out, aux = _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-        lse = aux.lse
-    except ImportError:  # torch before AuxRequest
-        out, lse = _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
-    if sinks_h is None:
-        return out
-    return SinkScale.apply(out, lse, sinks_h)
+    mask = block_mask(q.shape[2], window, bounds, q.device)
+    return _compiled()(q, k, v, mask, scale, q.shape[1] != k.shape[1], sinks_h)
 
 
-__all__ = ["FLEX_BLOCK", "SinkScale", "band_blocks", "block_mask", "flex_available", "flex_window_attention"]
+__all__ = ["FLEX_BLOCK", "band_blocks", "block_mask", "flex_available", "flex_call", "flex_window_attention"]
