@@ -238,3 +238,20 @@ def test_start_up_block_names_each_layer_kind_and_its_window_kernel():
     assert "(the band over the CPU flash kernel)" in cpu
     mistral = layers_line(tiny_config("mistral", sliding_window=4096, max_position_embeddings=8192), "cudnn", "x")
     assert "sliding window 4096 (the band over cuDNN)" in mistral
+
+
+def test_auto_takes_the_highest_measured_rate_and_flex_only_where_it_can_run(monkeypatch):
+    """resolve_how on a GPU: the implementation of highest WINDOW_RATES at the window; flex only where it runs and
+    the layer keeps no output. Today's table: flash_window at 128 and 1024, the band at 4096."""
+    from ulysses_lc.mixers import window_attention as wa
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(wa, "flex_available", lambda device: True)
+    assert [wa.resolve_how("auto", cuda, w) for w in (128, 1024, 4096)] == ["flash_window", "flash_window", "band"]
+    monkeypatch.setitem(wa.WINDOW_RATES, "flex", ((128, 0.19), (1024, 0.57), (4096, 0.71)))
+    assert [wa.resolve_how("auto", cuda, w) for w in (128, 1024, 4096)] == ["flex"] * 3
+    assert wa.resolve_how("auto", cuda, 1024, kept=True) == "flash_window"
+    assert wa.resolve_how("flex", cuda, 4096, kept=True) == "band"
+    assert wa.describe_how(1024, True).startswith("flex attention")
+    monkeypatch.setattr(wa, "flex_available", lambda device: False)
+    assert wa.resolve_how("auto", cuda, 128) == "flash_window"

@@ -39,8 +39,8 @@ _MASKS: dict = {}  # (s, window, bounds, device) -> BlockMask; the last few, reu
 
 def flex_available(device: torch.device) -> bool:
     """Whether flex attention's backward can run here: CUDA (sm80+) with Triton importable."""
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return False
+    if device.type != "cuda" or not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return False  # a GPU run priced on a machine without one (the dry run) prices the explicit kernels
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
     except ImportError:

@@ -29,9 +29,10 @@ measured below the explicit kernels so far (flex_window.py).
 Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-02, torch
 2.11; fwd+bwd TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads; WINDOW_RATES):
 flash_window 0.14 / 0.40 / 0.54 and the band over cuDNN 0.06 / 0.28 / 0.65 at windows of 128 (gpt-oss-20b heads,
-64 x 64) / 1024 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). So flash_window below BAND_MIN_WINDOW (2048,
-between the two measured points), the band from there and for sink layers without a window (one cuDNN causal call);
-either falls back to the other where its kernel refuses the shape.
+64 x 64) / 1024 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). `resolve_how` takes the highest
+measured rate at a window, linear in log(window) between the points (WINDOW_RATES): flash_window up to 2,162, the
+band beyond, flex where its rate is highest once measured so; sink layers without a window take the band (one
+cuDNN causal call). Each falls back to the next where its kernel refuses the shape.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ from .flex_window import flex_available, flex_window_attention
 logger = logging.getLogger(__name__)
 
 WINDOW_HOWS = ("auto", "band", "flash_window", "flex")
-BAND_MIN_WINDOW = 2048  # CUDA: the band from this window up, flash_window below (module docstring)
-# (window, fwd+bwd rate over causal cuDNN's) per implementation, the module docstring's H200 measurement; the step
-# estimate (sizing.py) prices window layers with the one resolve_how picks.
+# (window, fwd+bwd rate over causal cuDNN's, no sinks) per implementation, the module docstring's H200 measurement:
+# resolve_how picks the highest at a window, and the step estimate (sizing.py) prices window layers with it. flex's
+# one point is its path before the sink moved into the compiled call (flex_window.py); measure it again to update.
 WINDOW_RATES = {"flash_window": ((128, 0.141), (1024, 0.404), (4096, 0.542)),
                 "band": ((128, 0.058), (1024, 0.280), (4096, 0.648)),
                 "flex": ((128, 0.135),)}
@@ -65,9 +66,10 @@ def band_bytes_per_token(shape) -> int:
 
 
 def resolve_how(how: str, device: torch.device, window: int | None = None, kept: bool = False) -> str:
-    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA flash_window for a window under
-    BAND_MIN_WINDOW, else the band (module docstring). "flex" in a layer that keeps its output (`kept`) is auto's
-    pick: flex's backward cannot take a kept output."""
+    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA the one of highest measured rate
+    at this window (WINDOW_RATES: flash_window up to 2,162, the band beyond), flex among them
+    where it runs and the layer does not keep its output (`kept`): flex's backward cannot take a kept output, so
+    "flex" with `kept` is auto's pick too."""
     if how not in WINDOW_HOWS:
         raise ValueError(f"how={how!r}: pick one of {WINDOW_HOWS}.")
     if how in ("flash_window", "flex") and device.type != "cuda":
@@ -76,9 +78,10 @@ def resolve_how(how: str, device: torch.device, window: int | None = None, kept:
     if how == "flex" and kept:
         how = "auto"
     if how == "auto":
-        if device.type != "cuda":
-            return "band"
-        return "flash_window" if window is not None and window < BAND_MIN_WINDOW else "band"
+        if device.type != "cuda" or window is None:
+            return "band"  # sinks without a window: one cuDNN causal call
+        hows = ["flash_window", "band"] + (["flex"] if not kept and flex_available(device) else [])
+        return max(hows, key=lambda h: rate_vs_causal(h, window))  # the first of equals
     return how
 
 
@@ -100,7 +103,10 @@ def describe_how(window: int | None, sinks: bool, on_gpu: bool = True) -> str:
     block's words."""
     if not on_gpu:
         return "the band over the CPU flash kernel"
-    if window is not None and window < BAND_MIN_WINDOW:
+    how = resolve_how("auto", torch.device("cuda"), window)
+    if how == "flex":
+        return "flex attention (torch.compile)" + (", its sinks through the log-sum-exp" if sinks else "")
+    if how == "flash_window":
         return "flash_window: torch's FLASH kernel with its window" + (", sinks merged after it" if sinks else "")
     return "the band over cuDNN" + (" with its sinks" if sinks else "")
 
@@ -380,6 +386,6 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
                      f"{q_bhsd.device} (how={how!r}); on CUDA use bf16/fp16 and head_dim <= 256.")
 
 
-__all__ = ["BAND_MIN_WINDOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "describe_how", "rate_vs_causal",
+__all__ = ["WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "describe_how", "rate_vs_causal",
            "resolve_how", "WINDOW_RATES",
            "window_attention"]
