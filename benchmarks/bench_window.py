@@ -12,9 +12,10 @@ benchmark_flash_attention.py: 4 T^2 h d halved for causal, backward 2.5x the for
 rate_vs_causal = the candidate's TF/s on its own FLOPs / the full causal cuDNN kernel's TF/s (target >= 0.7).
 Candidates (ulysses_lc.mixers.window_attention unless said): band_cudnn (two batched cuDNN causal calls over the band),
 band_flash (the same through SDPA's FLASH ops), flash_window (one call of torch's FLASH kernel with its window),
-band_cudnn_sinks (the default with gpt-oss sinks), flex (torch.nn.attention.flex_attention, compiled, sliding-window
-block mask; not in the library: on 2026-12-01 its run built the mask uncompiled, which asked for 64 GiB at 256k, so
-it has no figure yet; fixed since, not rerun). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
+band_cudnn_sinks (the band with gpt-oss sinks), flex (torch.nn.attention.flex_attention as its docs show it:
+compiled, create_block_mask over a sliding-window mask_mod), auto / auto_sinks (the library's default,
+window_attention with how="auto"), flex_lib / flex_lib_sinks (its opt-in flex path, how="flex": flex_window.py's
+call, its own block mask, sinks through the log-sum-exp). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
 length that is no multiple of the window): rel_err is the largest relative error norm over out, dq, dk, dv.
 Each run prints its JSON rows as it goes, a table last, and writes <out>/window_results.json.
 """
@@ -39,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # (name, q heads, kv heads, head dim, window) from the public configs.
 HEAD_SHAPES = [("gpt-oss-20b", 64, 8, 64, 128), ("gemma3-27b", 32, 16, 128, 1024), ("mistral-7b", 32, 8, 128, 4096)]
-CANDIDATES = ["band_cudnn", "band_flash", "flash_window", "band_cudnn_sinks", "flex"]
+CANDIDATES = ["band_cudnn", "band_flash", "flash_window", "band_cudnn_sinks", "auto", "auto_sinks", "flex", "flex_lib",
+              "flex_lib_sinks"]
+COMPILED = {"flex", "flex_lib", "flex_lib_sinks"}  # torch.compile'd (the slowest to start): run after the others
 # gpt-oss-20b (openai/gpt-oss-20b config.json): 24 layers, 32 experts of which 4 per token.
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, vocab_size=201088, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
@@ -88,6 +91,15 @@ def _attend(name, window, sinks=None):
             out = window_attention(q, k, v, None, window, sinks, kernel=kernel, how=how, sink_list=seen)
             BACKENDS_SEEN.add((name, seen[0][1]))
             return out
+        return fn
+    if name in ("auto", "auto_sinks", "flex_lib", "flex_lib_sinks"):  # the library's default, and its flex path
+
+        def fn(q, k, v):
+            from ulysses_lc.mixers.window_attention import resolve_how
+
+            how = "flex" if name.startswith("flex") else "auto"
+            BACKENDS_SEEN.add((name, resolve_how(how, q.device, window)))
+            return window_attention(q, k, v, None, window, sinks if name.endswith("sinks") else None, how=how)
         return fn
     if name == "causal_cudnn":
         from ulysses_lc.mixers.kernels import causal_attention
@@ -163,7 +175,7 @@ def bench_kernels(T, device, dtype, iters, deadline, shapes=HEAD_SHAPES, candida
                     fn(q, k, v).backward(dout)
 
                 causal = name == "causal_cudnn"
-                t = _time(once, max(1, iters - 1) if causal else iters, warmup=2 if name == "flex" else 1)
+                t = _time(once, max(1, iters - 1) if causal else iters, warmup=2 if name in COMPILED else 1)
                 flops = 3.5 * (2.0 * T * T * h * d if causal else _flops_fwd(T, h, d, window))
                 row.update(status="ok", fwd_bwd_s=t, tflops=flops / t / 1e12,
                            backend=sorted(b for c, b in BACKENDS_SEEN if c == name))
@@ -300,6 +312,7 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--candidates", nargs="*", default=CANDIDATES, choices=CANDIDATES)
     p.add_argument("--child")
     args = p.parse_args(argv)
     if args.child:
@@ -313,7 +326,8 @@ def main(argv=None):
     shapes = HEAD_SHAPES if cuda else [("tiny", 4, 2, 16, 8)]
     if args.only != "steps":  # flex (compiled per shape, the slowest to start) after the steps
         kernel_rows = bench_kernels(T, device, dtype, 3 if cuda else 1, deadline, shapes,
-                                    [c for c in CANDIDATES if c != "flex"] if cuda else ["band_cudnn"], baselines)
+                                    [c for c in args.candidates if c not in COMPILED] if cuda else ["band_cudnn"],
+                                    baselines)
     if args.only != "kernels":
         seq, layers = (args.tokens, args.layers) if cuda else (256, 2)
         specs = [dict(kind="ours", seq=seq, layers=layers, warmup=8192, est_s=90, smoke=not cuda),
@@ -322,7 +336,8 @@ def main(argv=None):
                   for n in ((32768, 16384, 8192) if cuda else (128,))]  # stock's longest fitting length
         step_rows = bench_steps(specs, deadline)
     if args.only != "steps" and cuda:
-        kernel_rows += bench_kernels(T, device, dtype, 3, deadline, shapes, ["flex"], baselines)
+        kernel_rows += bench_kernels(T, device, dtype, 3, deadline, shapes,
+                                     [c for c in args.candidates if c in COMPILED], baselines)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__,
                 device=torch.cuda.get_device_name() if cuda else "cpu", tokens=T)
     out = Path(args.out)

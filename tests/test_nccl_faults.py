@@ -33,12 +33,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests._dist import _free_port
-from tests.test_run import REPO
+
+REPO = Path(__file__).resolve().parent.parent
 
 BACKEND = os.environ.get("ULYSSES_NCCL_TEST_BACKEND", "nccl")  # "gloo": the same body on CPU (docstring)
 EXIT_S = 30.0

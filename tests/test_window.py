@@ -140,3 +140,118 @@ def test_model_check_accepts_window_families_and_names_what_it_refuses():
             with pytest.raises(ValueError, match=what) as refused:
                 check_model_for_ulysses(config, sp_size=sp)
             assert "sp_size=1" not in str(refused.value) and " sp" in str(refused.value)
+
+
+# ---- flex attention's band (flex_window.py): its block mask, its sink, its pick ----
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flex_block_mask_covers_the_band_and_marks_only_whole_blocks_full(seed):
+    """Every block holding a visible (query, key) pair is listed; a block listed as full is visible throughout
+    (those skip the mask). Random lengths, windows, block sizes and documents."""
+    from ulysses_lc.mixers.flex_window import band_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        block = int(torch.randint(2, 17, (1,), generator=g))
+        s = int(torch.randint(1, 90, (1,), generator=g))
+        window = [None, 1, 3, 16, 40, 200][int(torch.randint(0, 6, (1,), generator=g))]
+        bounds = None
+        if s > 2 and torch.rand(1, generator=g) < 0.5:
+            cuts = sorted(set(torch.randint(1, s, (3,), generator=g).tolist()))
+            bounds = [0, *cuts, s]
+        num, idx, full_num, full_idx = band_blocks(s, window, bounds, block=block)
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None]
+        allowed = (j <= i) & (i - j < (window or s + 1))
+        if bounds is not None:
+            doc = torch.bucketize(torch.arange(s), torch.tensor(bounds[1:-1]), right=True)
+            allowed &= doc[:, None] == doc[None]
+        n = -(-s // block)
+        for m in range(n):
+            partial, full = set(idx[m, :num[m]].tolist()), set(full_idx[m, :full_num[m]].tolist())
+            assert not partial & full
+            for c in range(n):
+                cell = allowed[m * block:(m + 1) * block, c * block:(c + 1) * block]
+                if cell.any():
+                    assert c in partial | full, (s, window, bounds, block, m, c)
+                if c in full:
+                    assert cell.all() and cell.shape[1] == block, (s, window, bounds, block, m, c)
+
+
+@pytest.mark.parametrize("s,window,bounds,h,h_kv", [(300, 40, None, 4, 2), (300, 7, (0, 100, 101, 250, 300), 4, 4),
+                                                    (257, 300, (0, 5, 257), 2, 2)])
+def test_flex_band_with_sinks_equals_dense_softmax(s, window, bounds, h, h_kv):
+    """The flex path's mask and sink (flex_call uncompiled: flex's forward runs on CPU unfused; its backward is
+    CUDA-only, the gradients are test_window_cuda.py's). fp32, 1e-5 absolute."""
+    import warnings
+
+    from ulysses_lc.mixers.flex_window import block_mask, flex_call
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, s, 16, generator=g) for n in (h, h_kv, h_kv))
+    sinks = torch.randn(h, generator=g)
+    mask = block_mask(s, window, bounds, q.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # uncompiled flex warns
+        out = flex_call(q, k, v, mask, 0.25, h != h_kv)
+        with_sinks = flex_call(q, k, v, mask, 0.25, h != h_kv, sinks)
+    torch.testing.assert_close(out, dense_reference(q, k, v, 0.25, window, None, bounds), rtol=0, atol=1e-5)
+    torch.testing.assert_close(with_sinks, dense_reference(q, k, v, 0.25, window, sinks, bounds), rtol=0, atol=1e-5)
+    assert (with_sinks - out).abs().max() > 1e-2  # the sink matters
+
+
+def test_flex_is_cuda_only_and_auto_is_the_band_on_cpu():
+    from ulysses_lc.mixers.window_attention import resolve_how
+
+    q, k, v, _ = _inputs(1, 2, 2, 8, 8, False)
+    with pytest.raises(ValueError, match="how='band' on CPU"):
+        window_attention(q, k, v, 0.3, 4, how="flex")
+    assert resolve_how("auto", torch.device("cpu"), 128) == "band"
+
+
+def test_step_estimate_prices_window_layers_at_the_window_kernels_rate():
+    """A window layer costs its FLOPs at the causal rate over the rate measured for the kernel auto picks on a GPU."""
+    from ulysses_lc.plan.memory import MemoryPlan
+    from ulysses_lc.plan.sizing import ATTENTION_FLOPS_PER_S, ATTENTION_PASSES, Job
+    from ulysses_lc.shape import window_pairs
+    from ulysses_lc.mixers.window_attention import rate_vs_causal, resolve_how
+
+    shape = ModelShape.from_config(tiny_config("mistral", sliding_window=1024))
+    plan, seq = MemoryPlan(0, 0, 0), 65536
+    windowed = Job(shape, 1_000_000, 1, 1)
+    unwindowed = Job(ModelShape.from_config(tiny_config("mistral", sliding_window=None)), 1_000_000, 1, 1)
+    per_pair = ATTENTION_PASSES * 4.0 * shape.heads * shape.head_dim * shape.layers / ATTENTION_FLOPS_PER_S
+    extra = windowed.step_seconds(seq, plan) - (unwindowed.step_seconds(seq, plan) - per_pair * window_pairs(seq, None))
+    how = resolve_how("auto", torch.device("cuda"), 1024)
+    assert how == "flash_window"
+    assert abs(extra - per_pair * window_pairs(seq, 1024) / rate_vs_causal(how, 1024)) <= 1e-6 * extra
+    assert rate_vs_causal("band", 128) < rate_vs_causal("band", 1024) < rate_vs_causal("band", 4096)
+    assert rate_vs_causal("flash_window", 1 << 20) == rate_vs_causal("flash_window", 4096)
+
+
+def test_start_up_block_names_each_layer_kind_and_its_window_kernel():
+    from ulysses_lc.train.console import layers_line
+
+    config = tiny_config("gpt_oss")
+    gpu, cpu = layers_line(config, "cudnn", "torch", on_gpu=True), layers_line(config, "cudnn", "torch", on_gpu=False)
+    window = ModelShape.from_config(config).layer_windows[0]
+    assert f"sliding window {window} with sinks (flash_window" in gpu and "full attention with sinks (the band" in gpu
+    assert "(the band over the CPU flash kernel)" in cpu
+    mistral = layers_line(tiny_config("mistral", sliding_window=4096, max_position_embeddings=8192), "cudnn", "x")
+    assert "sliding window 4096 (the band over cuDNN)" in mistral
+
+
+def test_auto_takes_the_highest_measured_rate_and_flex_only_where_it_can_run(monkeypatch):
+    """resolve_how on a GPU: the implementation of highest WINDOW_RATES at the window; flex only where it runs and
+    the layer keeps no output. Today's table: flash_window at 128 and 1024, the band at 4096."""
+    from ulysses_lc.mixers import window_attention as wa
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(wa, "flex_available", lambda device: True)
+    assert [wa.resolve_how("auto", cuda, w) for w in (128, 1024, 4096)] == ["flash_window", "flash_window", "band"]
+    monkeypatch.setitem(wa.WINDOW_RATES, "flex", ((128, 0.19), (1024, 0.57), (4096, 0.71)))
+    assert [wa.resolve_how("auto", cuda, w) for w in (128, 1024, 4096)] == ["flex"] * 3
+    assert wa.resolve_how("auto", cuda, 1024, kept=True) == "flash_window"
+    assert wa.resolve_how("flex", cuda, 4096, kept=True) == "band"
+    assert wa.describe_how(1024, True).startswith("flex attention")
+    monkeypatch.setattr(wa, "flex_available", lambda device: False)
+    assert wa.resolve_how("auto", cuda, 128) == "flash_window"

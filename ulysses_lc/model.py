@@ -108,6 +108,7 @@ class SequenceParallelCausalLM(nn.Module):
         self.attention = attention.attention
         linear = attention.linear  # the gated DeltaNet layers' kernel, for the start-up block (None: there are none)
         self.deltanet = None if linear.kernel is None else f"{linear.kernel}: {linear.why}"
+        self.deltanet_kernel = linear.kernel or "torch"  # what the memory plan prices their recurrence at
         if efficient_norm:
             self.levers.append(install_efficient_rmsnorm(lm))
         if chunked_loss:
@@ -176,7 +177,7 @@ class SequenceParallelCausalLM(nn.Module):
                                 head_groups=self.attention.head_groups, offload=self.offload,
                                 explicit_ok=self.attention.explicit_ok,
                                 reserved_bytes=reserved_bytes, packed=packed, budget=budget,
-                                long_documents=long_documents)
+                                long_documents=long_documents, deltanet=self.deltanet_kernel)
 
     @staticmethod
     def plain_name(name: str) -> str:

@@ -29,8 +29,10 @@ class HostPool:
     block up to a power of two: a 2.5 GiB layer input (Qwen3-4B shape, 512k tokens) takes 4 GiB of pinned
     memory, and 36 of them do not fit a node's RAM. Here each buffer is a plain host allocation rounded up
     to whole pages and page-aligned (so no two buffers share a page, which registration would refuse),
-    registered once and kept for the next step (registration costs ~0.1-0.3 s per GB, so only the first
-    step pays it). Without CUDA the buffers are ordinary memory (CPU tests).
+    registered once and kept for the next step. Making them (allocation, first touch, registration) cost
+    0.35-0.68 s per GB on the first step of a plan on an H200 host (BENCHMARKS.md, "DPO beside SFT"); later
+    steps pay nothing, so the step-time estimate (sizing.Job.step_seconds, a steady step) leaves it out.
+    Without CUDA the buffers are ordinary memory (CPU tests).
     """
 
     def __init__(self):

@@ -103,14 +103,15 @@ def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "s
     here: a document's backward block is its own length's.
 
     window, sinks_h: a sliding window and per-head sink logits (window_attention.py), restarting at each
-    document's start: one windowed varlen call where window_attention picks "flash_window" (CUDA, windows under
-    BAND_MIN_WINDOW), else the band per run of equal-length documents."""
+    document's start: one call where window_attention picks "flex" or "flash_window" (CUDA; the documents in its
+    mask or as its cu_seqlens), else the band per run of equal-length documents."""
     if how not in DOCUMENT_KERNELS:
         raise ValueError(f"how={how!r}: pick one of {DOCUMENT_KERNELS}.")
     if window is not None or sinks_h is not None:
-        if resolve_how("auto", q_bhsd.device, window) == "flash_window" and how != "loop":
+        one_call = resolve_how("auto", q_bhsd.device, window)
+        if one_call in ("flash_window", "flex") and how != "loop":
             try:
-                return window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window, sinks_h, kernel, how="flash_window",
+                return window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window, sinks_h, kernel, how=one_call,
                                         bounds=tuple(bounds))
             except ValueError:  # its kernel refused the shape (logged): the band per document
                 pass

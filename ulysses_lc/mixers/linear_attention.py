@@ -118,7 +118,7 @@ def resolve_deltanet_kernel(kernel: str, device: torch.device) -> tuple[str, str
             raise ValueError(f"fla's gated delta rule refuses this GPU: {refusal}; use deltanet kernel 'torch'.")
         logger.warning("fla refuses its gated backward here (%s): gated DeltaNet layers take the torch path", refusal)
         return "torch", f"fla refuses its backward here: {refusal}"
-    return "fla", "fla-core"
+    return "fla", "fla-core (its kernels autotune on the first step at each length: minutes on a fresh machine, then cached)"
 
 
 # Device bytes one gated DeltaNet layer's recurrence holds at its peak (forward + backward), per token of the whole
@@ -128,17 +128,24 @@ def resolve_deltanet_kernel(kernel: str, device: torch.device) -> tuple[str, str
 # 10.2 and 11.0 KB beside the memory model's other terms; 11.5 KB holds both from above. One call of transformers'
 # rule over the whole sequence (before the segments) held 14.7 KB (bench_deltanet.py: 123.5 GB at 262,144 tokens x 32
 # heads), its backward writing into one whole-sequence output; fla's forward alone 5.1 KB (its backward is refused
-# there, not measured). The memory plan prices the torch path, the one that trains on that GPU.
+# there, not measured).
 RECURRENCE_BYTES_PER_HEAD_TOKEN = 11_500
+# fla's kernels (fla-core 0.6.0 over Triton 3.7.1, whose gated backward fla allows on Hopper): one whole step of the
+# Qwen3.5-0.8B shape, all 24 layers, at 32,768 tokens with the plan 5 / 5 / 5 (18 DeltaNet layers, 15 of them plain)
+# on one H200, 2026-12-02 (benchmarks/results/2026-12-02/hybrid_qwen3.5-0.8b-24layers_fla.json): 47.7 GB measured
+# against 116.8 GB priced at the torch path's 11.5 KB; 2.1 KB prices it at 47.9 GB (1.004). One point, fitted,
+# not held out: 256k and the longest length are the next measurements.
+FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN = 2_100
 
 
-def recurrence_block_bytes(shape, seq_len: int, sp_size: int) -> int:
+def recurrence_block_bytes(shape, seq_len: int, sp_size: int, kernel: str = "torch") -> int:
     """Device bytes of one gated DeltaNet layer's recurrence on one rank (its value heads over the whole padded
-    sequence), 0 for a model without such layers; a `shape.ModelShape`."""
+    sequence) on `kernel`'s path ("torch" or "fla"), 0 for a model without such layers; a `shape.ModelShape`."""
     if not shape.linear_layers:
         return 0
     s_pad = -(-seq_len // sp_size) * sp_size
-    return s_pad * (shape.linear_heads[1] // sp_size) * RECURRENCE_BYTES_PER_HEAD_TOKEN
+    per = FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN if kernel == "fla" else RECURRENCE_BYTES_PER_HEAD_TOKEN
+    return s_pad * (shape.linear_heads[1] // sp_size) * per
 
 
 def _segments(bounds, s: int):
@@ -349,5 +356,5 @@ def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto"
 
 
 __all__ = ["DELTANET_KERNELS", "GatedDeltaNetMixer", "LINEAR_MODEL_TYPES", "check_linear_heads",
-           "install_linear_attention", "is_gated_deltanet", "recurrence_block_bytes", "resolve_deltanet_kernel",
+           "install_linear_attention", "is_gated_deltanet", "recurrence_block_bytes", "FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN", "resolve_deltanet_kernel",
            "valid_linear_sp_sizes"]

@@ -22,12 +22,17 @@ sink is one more column of P, with value 0), and d sink = -sum_i exp(sink - L'_i
 `how="flash_window"`: one call of torch's FLASH kernel with its own window (aten._flash_attention_forward,
 window_size_left = w - 1; documents as its cu_seqlens), the same merge-free sink and backward; CUDA only.
 
-Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-01; fwd+bwd
-TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads): flash_window 0.14 / 0.41 / 0.55
-and the band over cuDNN 0.06 / 0.28 / 0.66 at windows of 128 (gpt-oss-20b heads, 64 x 64) / 1024 (Gemma 3 27B,
-32 x 128) / 4096 (Mistral 7B, 32 x 128). So flash_window below BAND_MIN_WINDOW (2048, between the two measured
-points), the band from there and for sink layers without a window (one cuDNN causal call); either falls back to
-the other where its kernel refuses the shape.
+`how="flex"`: one compiled call of torch's flex attention over the band's block mask (flex_window.py), sinks
+through its log-sum-exp, documents in the mask; CUDA only, no kept output (its backward is flex's own). Opt-in:
+measured below the explicit kernels so far (flex_window.py).
+
+Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-02, torch
+2.11; fwd+bwd TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads; WINDOW_RATES):
+flash_window 0.14 / 0.40 / 0.54 and the band over cuDNN 0.06 / 0.28 / 0.65 at windows of 128 (gpt-oss-20b heads,
+64 x 64) / 1024 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). `resolve_how` takes the highest
+measured rate at a window, linear in log(window) between the points (WINDOW_RATES): flash_window up to 2,162, the
+band beyond, flex where its rate is highest once measured so; sink layers without a window take the band (one
+cuDNN causal call). Each falls back to the next where its kernel refuses the shape.
 """
 
 from __future__ import annotations
@@ -39,11 +44,17 @@ import torch.nn.functional as F
 
 from . import fallbacks
 from .explicit_attention import causal_ops, explicit_backends
+from .flex_window import flex_available, flex_window_attention
 
 logger = logging.getLogger(__name__)
 
-WINDOW_HOWS = ("auto", "band", "flash_window")
-BAND_MIN_WINDOW = 2048  # CUDA: the band from this window up, flash_window below (module docstring)
+WINDOW_HOWS = ("auto", "band", "flash_window", "flex")
+# (window, fwd+bwd rate over causal cuDNN's, no sinks) per implementation, the module docstring's H200 measurement:
+# resolve_how picks the highest at a window, and the step estimate (sizing.py) prices window layers with it. flex's
+# one point is its path before the sink moved into the compiled call (flex_window.py); measure it again to update.
+WINDOW_RATES = {"flash_window": ((128, 0.141), (1024, 0.404), (4096, 0.542)),
+                "band": ((128, 0.058), (1024, 0.280), (4096, 0.648)),
+                "flex": ((128, 0.135),)}
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
 
 
@@ -54,18 +65,50 @@ def band_bytes_per_token(shape) -> int:
     return 2 * (3 * shape.q_width + 3 * shape.kv_width)
 
 
-def resolve_how(how: str, device: torch.device, window: int | None = None) -> str:
-    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA flash_window for a window
-    under BAND_MIN_WINDOW, else the band (module docstring)."""
+def resolve_how(how: str, device: torch.device, window: int | None = None, kept: bool = False) -> str:
+    """The implementation for `how` on `device`: "auto" is the band on CPU; on CUDA the one of highest measured rate
+    at this window (WINDOW_RATES: flash_window up to 2,162, the band beyond), flex among them
+    where it runs and the layer does not keep its output (`kept`): flex's backward cannot take a kept output, so
+    "flex" with `kept` is auto's pick too."""
     if how not in WINDOW_HOWS:
         raise ValueError(f"how={how!r}: pick one of {WINDOW_HOWS}.")
+    if how in ("flash_window", "flex") and device.type != "cuda":
+        kind = "torch's CUDA FLASH kernel" if how == "flash_window" else "flex attention, whose backward is CUDA-only"
+        raise ValueError(f"how={how!r} runs {kind}; use how='band' on CPU.")
+    if how == "flex" and kept:
+        how = "auto"
     if how == "auto":
-        if device.type != "cuda":
-            return "band"
-        return "flash_window" if window is not None and window < BAND_MIN_WINDOW else "band"
-    if how == "flash_window" and device.type != "cuda":
-        raise ValueError("how='flash_window' runs torch's CUDA FLASH kernel; use how='band' on CPU.")
+        if device.type != "cuda" or window is None:
+            return "band"  # sinks without a window: one cuDNN causal call
+        hows = ["flash_window", "band"] + (["flex"] if not kept and flex_available(device) else [])
+        return max(hows, key=lambda h: rate_vs_causal(h, window))  # the first of equals
     return how
+
+
+def rate_vs_causal(how: str, window: int) -> float:
+    """WINDOW_RATES[how] at `window`: linear in log(window) between the measured points, flat beyond them."""
+    import math
+
+    points = WINDOW_RATES[how]
+    if window <= points[0][0]:
+        return points[0][1]
+    for (w0, r0), (w1, r1) in zip(points, points[1:]):
+        if window <= w1:
+            return r0 + (r1 - r0) * math.log(window / w0) / math.log(w1 / w0)
+    return points[-1][1]
+
+
+def describe_how(window: int | None, sinks: bool, on_gpu: bool = True) -> str:
+    """What computes a window or sink layer under how="auto" on a GPU (on_gpu) or here on the CPU: the start-up
+    block's words."""
+    if not on_gpu:
+        return "the band over the CPU flash kernel"
+    how = resolve_how("auto", torch.device("cuda"), window)
+    if how == "flex":
+        return "flex attention (torch.compile)" + (", its sinks through the log-sum-exp" if sinks else "")
+    if how == "flash_window":
+        return "flash_window: torch's FLASH kernel with its window" + (", sinks merged after it" if sinks else "")
+    return "the band over cuDNN" + (" with its sinks" if sinks else "")
 
 
 # ---- layouts of the band: [b, H, n c, d] <-> n chunks along the batch ----
@@ -280,28 +323,48 @@ class WindowAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
+def _is_compile_error(e: BaseException) -> bool:
+    """torch.compile's own failures (dynamo, inductor, a Triton build): no kernel for these inputs here. A CUDA
+    error (an AcceleratorError) is none: it propagates."""
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor", "triton"))
+
+
 def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None, sinks_h=None, kernel: str = "auto",
                      how: str = "auto", bounds=None, sink_list: list | None = None, kept=None):
     """Causal attention over the last `window` keys of each query (None: all of them), with a learned logit per head
     in the softmax denominator when `sinks_h` [h_local] is given; returns [b, h, s, d].
 
     kernel: the layer's kernel setting; the band runs through the explicit SDPA backends of "auto" unless it
-        names one ("cudnn", "sdpa"). how: "band", "flash_window" (CUDA), "auto" (resolve_how; on CUDA the other
-        one is tried where the first refuses the shape).
-    bounds: packed documents [0, ..., s] (how="flash_window" only: one varlen call; kernels.document_attention
-        runs the band per document). sink_list / kept: the kept-output handshake (attention.kept_output_attention).
+        names one ("cudnn", "sdpa"). how: "band", "flash_window" (CUDA), "flex" (CUDA), "auto" (resolve_how; on
+        CUDA the next one is tried where the first refuses the shape).
+    bounds: packed documents [0, ..., s] (how="flash_window": one varlen call; "flex": in its mask;
+        kernels.document_attention runs the band per document). sink_list / kept: the kept-output handshake (attention.kept_output_attention).
     """
     scale = scaling if scaling is not None else q_bhsd.shape[-1] ** -0.5
     if kept is not None:
         how, backend, kept_tensors = kept
         return WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, how, backend, bounds,
                                      kept_tensors, None)
-    chosen = resolve_how(how, q_bhsd.device, window)
+    chosen = resolve_how(how, q_bhsd.device, window, kept=sink_list is not None)
+    if chosen == "flex":
+        key = fallbacks.call_key("window attention", "flex", q_bhsd, k_bhsd, window)
+        if not fallbacks.refused(key):
+            try:
+                return flex_window_attention(q_bhsd, k_bhsd, v_bhsd, scale, window, sinks_h, bounds)
+            except Exception as e:  # noqa: BLE001 - a compile failure is flex refusing these inputs; the rest propagates
+                if not (_is_compile_error(e) or isinstance(e, NotImplementedError)):
+                    raise
+                fallbacks.record(key, e)
+        if how == "flex":
+            raise ValueError(f"flex attention refused {tuple(q_bhsd.shape)} {q_bhsd.dtype}: "
+                             f"{fallbacks.summary()}; use how='auto'.")
+        chosen = resolve_how("auto", q_bhsd.device, window)
     if bounds is not None and chosen != "flash_window":
-        raise ValueError("bounds need how='flash_window'; kernels.document_attention runs the band per document.")
+        raise ValueError("bounds need how='flash_window' or 'flex'; kernels.document_attention runs the band per "
+                         "document.")
     band = [("band", b) for b in explicit_backends(q_bhsd, kernel if kernel in ("cudnn", "sdpa") else "auto")]
     tries = [("flash_window", "flash")] if chosen == "flash_window" else band
-    if how == "auto" and q_bhsd.is_cuda and bounds is None:
+    if how in ("auto", "flex") and q_bhsd.is_cuda and bounds is None:
         tries += band if chosen == "flash_window" else [("flash_window", "flash")]
     for impl, backend in tries:
         key = fallbacks.call_key("window attention", f"{impl}/{backend}", q_bhsd, k_bhsd, window)
@@ -323,5 +386,6 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
                      f"{q_bhsd.device} (how={how!r}); on CUDA use bf16/fp16 and head_dim <= 256.")
 
 
-__all__ = ["BAND_MIN_WINDOW", "WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "resolve_how",
+__all__ = ["WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "describe_how", "rate_vs_causal",
+           "resolve_how", "WINDOW_RATES",
            "window_attention"]

@@ -93,7 +93,7 @@ def plan_memory(
     shape: ModelShape, seq_len: int, device_free_bytes: float, *, sp_size: int = 1,
     host_free_bytes: float | None = None, offload: bool = True, keep_attention: bool = True,
     head_groups: int | str = "auto", headroom: float | None = None, packed: bool = False,
-    long_documents: bool = False,
+    long_documents: bool = False, deltanet: str = "torch",
 ) -> MemoryPlan:
     """The fastest plan for a step of `seq_len` tokens (split over `sp_size` ranks) whose activations the memory
     model (memory_model.py) prices within `device_free_bytes` more device memory and `host_free_bytes` of host
@@ -113,7 +113,7 @@ def plan_memory(
     says by how much it is over).
     """
     terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups, keep_attention=keep_attention,
-                       offload=offload, packed=packed, long_documents=long_documents)
+                       offload=offload, packed=packed, long_documents=long_documents, deltanet=deltanet)
     device = device_free_bytes * (1 / (1 + ALLOCATOR_SLACK) if headroom is None else headroom)
     return _choose(terms, device, float("inf") if host_free_bytes is None else host_free_bytes)
 
@@ -152,10 +152,11 @@ def _choose(terms: StepTerms, device: float, host: float) -> MemoryPlan:
 
 def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups: int | str = "auto",
                keep_attention: bool = True, offload: bool = True, packed: bool = False,
-               long_documents: bool = False) -> StepTerms:
+               long_documents: bool = False, deltanet: str = "torch") -> StepTerms:
     """Per rank, the terms of one step the memory model prices, from the levers' own bytes (memory_model.py).
     long_documents: packed documents of at least kernels.DOCUMENT_VARLEN_TOKENS each (DPO's pairs), which run one
-    kernel call per run of documents and keep no more than an unpacked layer: no varlen extra (PACKED_PLAIN_FIT)."""
+    kernel call per run of documents and keep no more than an unpacked layer: no varlen extra (PACKED_PLAIN_FIT).
+    deltanet: the gated DeltaNet layers' resolved path, "torch" or "fla" (their recurrence's bytes differ)."""
     seq_local = -(-seq_len // sp_size)
     s_pad = seq_local * sp_size
     heads_local, kv_local = shape.local_heads(sp_size), shape.local_kv_heads(sp_size)
@@ -164,7 +165,7 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
     block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
     # A gated DeltaNet's recurrence: what a plain one stores from its forward is its whole block (its backward works
     # within it); a recomputed one builds it again. The model counts it on the plain layers that are DeltaNets.
-    recurrence = recurrence_block_bytes(shape, seq_len, sp_size)
+    recurrence = recurrence_block_bytes(shape, seq_len, sp_size, deltanet)
     output = seq_local * kept_output_bytes_per_token(shape)
     chunk = auto_chunk_rows(shape.vocab) * shape.vocab * 4  # one chunk's fp32 logits, inside loss_head_bytes
     return StepTerms.fitted(
@@ -183,12 +184,13 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
 
 
 def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: int = 1, head_groups: int | str = "auto",
-               offload: bool = True, packed: bool = False, long_documents: bool = False) -> tuple[int, int]:
+               offload: bool = True, packed: bool = False, long_documents: bool = False,
+               deltanet: str = "torch") -> tuple[int, int]:
     """(device, host) bytes per rank of one step's activations under `plan`, by the memory model the planner chooses
     with (memory_model.py): the device's peak and the pinned host buffers. What --dry-run predicts, with the state."""
     terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups,
                        keep_attention=plan.cache_attention_layers > 0, offload=offload, packed=packed,
-                       long_documents=long_documents)
+                       long_documents=long_documents, deltanet=deltanet)
     return int(terms.device_peak(*plan.counts)), int(terms.host_pinned(*plan.counts))
 
 
@@ -271,6 +273,7 @@ def plan_step_memory(
     shape: ModelShape, seq_len: int, layout: ParallelLayout, device: torch.device, *, kernel: str = "auto",
     head_groups: int | str = "auto", offload: bool = True, reserved_bytes: int = 0, packed: bool = False,
     budget: tuple[float, float] | None = None, long_documents: bool = False, explicit_ok: bool = True,
+    deltanet: str = "torch",
 ) -> MemoryPlan:
     """The plan for the next step from the memory free now on every rank, less `reserved_bytes` still to be
     allocated (`optimizer_reserved_bytes` before the first step), ZeRO-3's gathered weights during the step and
@@ -304,7 +307,7 @@ def plan_step_memory(
     return plan_memory(
         shape, seq_len, device_free, sp_size=layout.sp_size, host_free_bytes=max(host_free, 0),
         offload=offload, keep_attention=keep_attention, head_groups=groups, packed=packed,
-        long_documents=long_documents,
+        long_documents=long_documents, deltanet=deltanet,
     )
 
 

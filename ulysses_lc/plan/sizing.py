@@ -17,10 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import torch
+
 from . import deltanet_time, memory_model
 from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
-from ..shape import ModelShape
+from ..mixers.window_attention import rate_vs_causal, resolve_how
+from ..shape import ModelShape, window_pairs
 
 GB = 1e9
 
@@ -178,7 +181,8 @@ class Job:
         state_gpu, state_host = self.state_bytes()
         _, groups = self._policy()
         act_gpu, act_host = plan_bytes(self.shape, seq_len, plan, sp_size=self.sp_size, head_groups=groups,
-                                       offload=self.offload, packed=self.packed, long_documents=self.long_documents)
+                                       offload=self.offload, packed=self.packed, long_documents=self.long_documents,
+                                       deltanet=self.deltanet_path)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES,
                           self.node_share(act_host), self.ranks_per_node)
@@ -202,7 +206,7 @@ class Job:
         keep_attention, groups = self._policy()
         return plan_memory(self.shape, seq_len, device, sp_size=self.sp_size, host_free_bytes=max(host, 0),
                            offload=self.offload, keep_attention=keep_attention, head_groups=groups, packed=self.packed,
-                           long_documents=self.long_documents)
+                           long_documents=self.long_documents, deltanet=self.deltanet_path)
 
     def fit(self, seq_len: int, limits: Limits, plan: MemoryPlan | None = None) -> Fit:
         """`plan` (default: the one `plan` chooses) priced against `limits`."""
@@ -257,15 +261,21 @@ class Job:
                     break
         return out
 
+    @property
+    def deltanet_path(self) -> str:
+        """"fla" or "torch": the path `deltanet` resolves to by deltanet_time.deltanet_path."""
+        return deltanet_time.deltanet_path(self.deltanet)[0]
+
     def deltanet_line(self) -> str | None:
         """How step_seconds prices the gated DeltaNet layers, and on which path (None: the model has none)."""
         return deltanet_time.pricing_line(self.shape, self.deltanet)
 
     def step_seconds(self, seq_len: int, plan: MemoryPlan) -> float:
         """Predicted seconds of one step from its FLOPs (metrics.model_flops_per_step, the plan's recompute) at
-        the rates measured on an H200 (below), the gated DeltaNet layers on the torch path (deltanet_time.py, where
-        the rule picks it) at their measured cost per token instead of their FLOPs; packed documents take less
-        (their attention is block-diagonal)."""
+        the rates measured on an H200 (below), sliding-window layers at their kernel's measured share of that rate
+        (window_attention.rate_vs_causal), the gated DeltaNet layers on the torch path (deltanet_time.py, where the rule
+        picks it) at their measured cost per token instead of their FLOPs; packed documents take less (their
+        attention is block-diagonal)."""
         shape = self.shape
         torch_path = bool(shape.linear_layers) and deltanet_time.deltanet_path(self.deltanet)[0] == "torch"
         if torch_path:  # the recurrence's FLOPs left out: the torch path's measured cost replaces them
@@ -275,6 +285,7 @@ class Job:
         attn_fwd = flops.attention / 3
         recomputed_fwd = attn_fwd * (plan.recompute_layers - plan.cache_attention_layers) / self.shape.layers
         attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / ATTENTION_FLOPS_PER_S
+        attention += _window_extra(self.shape, seq_len, plan)
         dense = (flops.hardware - flops.attention - recomputed_fwd) / MATMUL_FLOPS_PER_S
         tokens = -(-seq_len // self.sp_size)
         rest = ELEMENTWISE_S_PER_TOKEN * tokens * self.shape.layers * self.shape.hidden / 1024
@@ -286,6 +297,26 @@ class Job:
         recurrence = (deltanet_time.torch_path_seconds(self.shape, seq_len, self.sp_size, plan.recompute_layers)
                       if torch_path else 0.0)
         return (attention + dense) / self.sp_size + rest + exchange + recurrence
+
+
+_CUDA = torch.device("cuda")  # the plan prices a GPU's step
+
+
+def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan) -> float:
+    """Seconds the window layers take beyond their FLOPs at the causal rate: the lower rate of the kernel
+    window_attention picks on a GPU (rate_vs_causal), on the forward, backward and the recompute's share of
+    forwards."""
+    windows = shape.layer_windows or ()
+    linear = shape.linear_layers or (False,) * shape.layers
+    recompute_share = (plan.recompute_layers - plan.cache_attention_layers) / shape.layers
+    extra = 0.0
+    for w, lin in zip(windows, linear):
+        if w is None or lin or w >= seq_len:
+            continue
+        fwd = 4.0 * window_pairs(seq_len, w) * shape.heads * shape.head_dim
+        how = resolve_how("auto", _CUDA, w)
+        extra += (ATTENTION_PASSES + recompute_share) * fwd * (1 / rate_vs_causal(how, w) - 1)
+    return extra / ATTENTION_FLOPS_PER_S
 
 
 def zero3_offload(ds_config: dict) -> tuple[bool, bool]:

@@ -6,6 +6,8 @@ import os
 import sys
 import warnings
 
+import torch
+
 from ..mixers import fallbacks
 from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
@@ -79,9 +81,11 @@ def _plan_reason(plan_settings, device: str, estimate, differs: str | None = Non
     return why + (f", with {', '.join(flags)} as given" if flags else "")
 
 
-def layers_line(model_config, kernel: str, deltanet: str) -> str:
-    """Each kind of decoder layer, how many, and what computes it: full attention and sliding windows (sinks where the
-    model has them) through the Ulysses attention with `kernel`; gated DeltaNet layers through `deltanet`."""
+def layers_line(model_config, kernel: str, deltanet: str, on_gpu: bool = True) -> str:
+    """Each kind of decoder layer, how many, and what computes it: full attention through the Ulysses attention with
+    `kernel`; sliding windows and sinks through window_attention's pick on a GPU (on_gpu) or on the CPU; gated
+    DeltaNet layers through `deltanet`."""
+    from ..mixers.window_attention import describe_how
     from ..shape import ModelShape, text_config
 
     cfg = text_config(model_config)
@@ -94,7 +98,10 @@ def layers_line(model_config, kernel: str, deltanet: str) -> str:
             name = f"gated DeltaNet ({deltanet})"
         else:
             name = f"sliding window {window}" if window is not None else "full attention"
-            name += f" with sinks ({kernel})" if shape.sinks else f" ({kernel})"
+            if window is not None or shape.sinks:
+                name += (" with sinks" if shape.sinks else "") + f" ({describe_how(window, shape.sinks, on_gpu)})"
+            else:
+                name += f" ({kernel})"
         kinds[name] = kinds.get(name, 0) + 1
     return ", ".join(f"{n} {name}" for name, n in kinds.items())
 
@@ -136,7 +143,7 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
         f"length    {run.stream.seq_len:,} tokens per step, {yarn}",
         *([reference_line(run, estimate)] if run.objective.dpo else []),
         f"kernel    {kernel}, attention head groups {model.attention_head_groups}; fallbacks {fallbacks.summary()}",
-        f"layers    {layers_line(checked.model_config, kernel, deltanet or DELTANET_RULE)}",
+        f"layers    {layers_line(checked.model_config, kernel, deltanet or DELTANET_RULE, on_gpu=device == 'gpu' and (out is None or torch.cuda.is_available()))}",
         f"deepspeed {run.optim.ds_config} (ZeRO-3, bf16 {'on' if checked.ds_config['bf16']['enabled'] else 'off'})",
         "levers    chunked loss, tiled MLP, bf16-saving RMSNorm, activation checkpoints with offload"
         + (f", Ulysses all-to-all over {checked.sp_size} ranks" if checked.sp_size > 1 else " (sp 1: no all-to-all)"),

@@ -230,6 +230,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         wandb_run=_start_wandb(output.wandb_project, run.flags, out) if rank0 and output.wandb_project else None,
     ) as step_logger:
         for step in range(start_step, steps):
+            if step == start_step and rank0 and (model.deltanet or "").startswith("fla"):
+                logger.info("step %d: the first; fla autotunes its gated DeltaNet kernels in it (minutes on a fresh "
+                            "machine; Triton's cache keeps the result for the next run)", step + 1)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
