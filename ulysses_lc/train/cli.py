@@ -35,6 +35,7 @@ from .job_watch import GRACE_S
 from .stop import Stopped
 
 LOST_PEER_S = 20.0
+LAUNCH_PY_S = 5.0  # DeepSpeed's launch.py polls its ranks once a second, then ends the live ones in turn
 
 
 def main(argv=None) -> None:
@@ -70,13 +71,25 @@ def main(argv=None) -> None:
                      else "during the start-up checks, before training started: nothing was trained or written; the "
                           "same command starts the run")
     except Stopped as e:  # asked to stop, and stopped with a checkpoint: one line, and the signal's exit code
-        if job_watch.speaks_for_node():  # rank 0, and each other node's lowest rank on its console
-            print(e, file=sys.stderr, flush=True)
-            record_for_launcher(str(e))
+        last, ended = job_watch.ends_last_rank(), []  # DeepSpeed's launch.py ends this rank last (job_table.ends_last)
+        if last:  # its SIGTERM comes once every other rank has exited (past the barrier below)
+            signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum))
+        if job_watch.speaks_for_node() and not last:  # rank 0, and each other node's lowest rank on its console
+            _say(str(e))
         destroy_distributed()
+        if last:  # said again after launch.py's "Killing subprocess" lines, before its exit code's
+            deadline = time.monotonic() + LAUNCH_PY_S
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _say(str(e))
         sys.exit(e.code)
     except BaseException as e:  # noqa: BLE001 - every failure ends here, reported once
         _fail(e)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    record_for_launcher(message)
 
 
 def _interrupted(when: str) -> None:

@@ -181,4 +181,5 @@ def ends_last(table: RankTable, launchers: list[int] | None) -> bool:
         ours = bool(launchers) and "deepspeed.launcher.launch" in " ".join(psutil.Process(launchers[0]).cmdline())
     except psutil.Error:
         return False
-    return ours and not any(alive(table.pids[r]) for r in table.local() if r > table.rank)
+    others = [r for r in table.local() if r != table.rank]  # alone, it has no line to follow: it ends first
+    return ours and bool(others) and not any(alive(table.pids[r]) for r in others if r > table.rank)

@@ -109,6 +109,11 @@ def speaks_for_node() -> bool:
     return _current.leader if _current is not None else int(os.environ.get("RANK", "0")) == 0
 
 
+def ends_last_rank() -> bool:
+    """Whether DeepSpeed's launch.py ends this rank last, so that a line it prints then follows launch.py's."""
+    return _current is not None and ends_last(_current.table, _current._chain)
+
+
 def where(rank: int) -> str:
     """How a report names this rank: with its node and host where the job spans nodes."""
     multinode = _current is not None and _current.table.num_nodes > 1
@@ -126,9 +131,9 @@ def await_cause(timeout: float) -> str:
     while time.monotonic() < deadline:
         watch._poll()
         time.sleep(POLL_S)
-    if watch._store_lost_at is not None and agent_hosts_store():
-        return f"; the job's store at {_store_address()} (node 0's launcher) is gone too: node 0 ended or is unreachable"
-    return watch._beats.hint(3 * POLL_S)
+    lost = watch._store_lost_at is not None and agent_hosts_store()
+    return f"; the job's store at {_store_address()} (node 0's launcher) is gone too: node 0 ended or is unreachable" \
+        if lost else watch._beats.hint(3 * POLL_S)
 
 
 def _store_address() -> str:
@@ -142,6 +147,7 @@ class JobWatch:
         self.table, self.store, self.prefix, self.node_timeout_s = table, store, prefix, node_timeout_s
         self.leader = table.rank == min(table.on_node(table.node))
         self.stop_request, self._launchers = StopRequest(stop_grace_s, announce=self.leader), []  # stop.py
+        self._chain = []  # the launchers above this rank (stop.launcher_pids; _launchers: None once one ended)
         self._halt = threading.Event()
         self._clean = False  # stopped at the normal end of the run: nothing may end the process from the thread
         self._thread = None
@@ -176,7 +182,7 @@ class JobWatch:
             for node in self._beats.seen:
                 self.store.add(self._key(f"beat/{node}"), 0)
         self.signals.arm(lambda signum: self._on_signal(signum, watcher=False))
-        self._launchers = launcher_pids()
+        self._launchers = self._chain = launcher_pids()
         self._thread = threading.Thread(target=self._run, name="ulysses-job-watch", daemon=True)
         self._thread.start()
 
@@ -271,15 +277,13 @@ class JobWatch:
             return gone
 
     def _report_gone(self, gone: list[int], ended_by: int | None = None) -> None:
-        """The lowest live rank of the node reports a peer that exited without a report; returns on the others.
-        ended_by: the launcher's signal that woke this rank (`_end`)."""
+        """The lowest live rank of the node reports a peer that exited without a report (ended_by: see `_end`)."""
         t = self.table
         if t.rank != min(r for r in t.local() if r not in gone):
-            return
-        known = self._known_report()
-        if known is not None or (self._store_lost_at is not None and 0 not in gone):  # reported (maybe by the peer),
-            self._end(known, speak=False, ended_by=ended_by)  # or node 0 ended, printed there; rank 0 gone here is
-            # this rank's to name
+            return  # another rank of this node reports it
+        known = self._known_report()  # reported (maybe by the peer), or node 0 ended, printed there; rank 0 gone
+        if known is not None or (self._store_lost_at is not None and 0 not in gone):  # here is this rank's to name
+            self._end(known, speak=False, ended_by=ended_by)
         r = gone[0]
         also = f" (and {', '.join(f'rank {g}' for g in gone[1:])})" if len(gone) > 1 else ""
         first = self._publish(self._report(
@@ -366,7 +370,7 @@ class JobWatch:
         t = self.table
         if report is not None:
             sys.stdout.flush()
-            if speak or ended_by and ends_last(t, self._launchers):
+            if speak or ended_by and ends_last(t, self._chain):
                 print(report.line(), file=sys.stderr, flush=True)
             record_for_launcher(report.line())
         if speak and report.by == t.rank:
@@ -374,7 +378,7 @@ class JobWatch:
         if report is not None and (not speak or report.rank not in (None, t.rank) and not agent_hosts_store()):
             # The node's speaker, or a dead peer, is seen to end first by the launcher naming it; a SIGTERM of
             # DeepSpeed's launch.py meanwhile, to the last rank it ends, has the line printed again after its own.
-            if not ended_by and self.signals.wait(LINGER_S, self._halt) and ends_last(t, self._launchers):
+            if not ended_by and self.signals.wait(LINGER_S, self._halt) and ends_last(t, self._chain):
                 print(report.line(), file=sys.stderr, flush=True)
         os._exit(code)
 

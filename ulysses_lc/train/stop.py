@@ -151,7 +151,7 @@ class SignalHook:
         try:
             ready, _, _ = select.select([self._wake[0]], [], [], timeout)
             got = os.read(self._wake[0], 512) if ready else b""
-            return next((s for s in SIGNALS if s in got), None)
+            return next((s for s in got if s in SIGNALS), None)  # the first to come: Ctrl-C, then a launcher's SIGTERM
         except (OSError, ValueError, TypeError):  # no pipe (not armed on the main thread), or closed by disarm()
             halt.wait(timeout)
             return None
