@@ -1,7 +1,9 @@
 #!/bin/bash
 # Issue 27 on one H200 with fla-core 0.6.0 over Triton 3.7.1 (whose gated backward fla allows on Hopper, #640):
 # torch's own compile paths under that Triton first, then the DeltaNet layer against fla's kernels alone at 256k,
-# then whole steps of the Qwen3.5-0.8B shape (all 24 layers) with the dry run's prediction.
+# then whole steps of the Qwen3.5-0.8B shape (all 24 layers) with the dry run's prediction. On 2026-12-02 it also
+# ran bench_deltanet.py first (DELTANET_BUDGET set); the next call runs the steps alone (HYBRID_BUDGET=540), and
+# issue27_window_fla.sh the layer.
 #   bash benchmarks/results/2026-12-02/issue27_fla.sh $OUT     (after .whl/*.whl are installed into /tmp/site)
 # .tw/triton371.tar.xz: the triton-3.7.1 cp312 manylinux wheel's files, shared objects stripped of debug info,
 # the static CUPTI archives, the Blackwell ptxas and the test libraries left out (54 MB, one device call).
@@ -29,5 +31,6 @@ ref.float().square().sum().backward()
 rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
 print("flex fwd+bwd vs sdpa: out %.1e, grads %.1e" % (rel(out, ref), max(rel(a, t.grad) for a, t in zip(g, (q, k, v)))))
 PY
-python3 benchmarks/bench_deltanet.py --out "$OUT/deltanet" --budget-s "${DELTANET_BUDGET:-170}" 2>&1 | tee "$OUT/deltanet.log" | grep -v '^{"kind": "time"' | tail -25
+[ -n "${DELTANET_BUDGET:-}" ] && python3 benchmarks/bench_deltanet.py --out "$OUT/deltanet" --budget-s "$DELTANET_BUDGET" 2>&1 \
+  | tee "$OUT/deltanet.log" | grep -v '^{"kind": "time"' | tail -25
 python3 benchmarks/bench_hybrid.py --layers 24 --budget-s "${HYBRID_BUDGET:-330}" --out "$OUT/hybrid" 2>&1 | tee "$OUT/hybrid.log" | tail -30
