@@ -37,8 +37,10 @@ FLEX_BLOCK = 128
 _MASKS: dict = {}  # (s, window, bounds, device) -> BlockMask; the last few, reused across a step's layers
 
 
+@functools.lru_cache(maxsize=None)
 def flex_available(device: torch.device) -> bool:
-    """Whether flex attention's backward can run here: CUDA (sm80+) with Triton importable."""
+    """Whether flex attention's backward can run here: CUDA (sm80+) with Triton importable. Asked on every window
+    layer's call (window_attention.resolve_how): answered once per device."""
     if device.type != "cuda" or not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
         return False  # a GPU run priced on a machine without one (the dry run) prices the explicit kernels
     try:
