@@ -254,3 +254,18 @@ def _collect(procs, queue, timeout):
         else:
             procs[0].join(0.05)  # a short wait for the next report or exit, then look again
     return results, errors
+
+
+def nccl_test_backend():
+    """(backend, pytestmark) of the NCCL tests: ULYSSES_NCCL_TEST_BACKEND, "nccl" by default (skipped without two
+    CUDA devices) or "gloo" (the same bodies on CPU, to check their logic)."""
+    import pytest
+
+    backend = os.environ.get("ULYSSES_NCCL_TEST_BACKEND", "nccl")
+    if backend == "nccl":
+        return backend, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                           reason="needs two CUDA devices (NCCL); ULYSSES_NCCL_TEST_BACKEND=gloo runs "
+                                                  "the same bodies on CPU")
+    if backend != "gloo":
+        raise ValueError(f"ULYSSES_NCCL_TEST_BACKEND={backend!r}: pick nccl (the default) or gloo")
+    return backend, []

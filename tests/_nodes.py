@@ -121,3 +121,29 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+class WatchEnded(Exception):
+    """A JobWatch's end, raised by `watch_without_store`'s watch instead of ending the process."""
+
+
+def watch_without_store(monkeypatch, table, **kwargs):
+    """A JobWatch over `table` whose store is gone (every call raises "Connection reset by peer", as a TCPStore
+    whose host ended), under torchrun's agent store, on a clock the test moves (`now[0]`); its end raises
+    WatchEnded with the report's message. Returns (watch, now)."""
+    import ulysses_lc.train.job_watch as job_watch
+
+    class GoneStore:
+        def __getattr__(self, name):
+            raise RuntimeError("Connection reset by peer")
+
+    now = [1000.0]
+    monkeypatch.setattr(job_watch.time, "monotonic", lambda: now[0])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    watch = job_watch.JobWatch(table, GoneStore(), "t/", **kwargs)
+
+    def end(report, **_):
+        raise WatchEnded(report.message)
+
+    watch._end = end
+    return watch, now

@@ -763,33 +763,19 @@ def test_a_stop_under_way_outlives_the_loss_of_the_store(monkeypatch):
     see their launcher gone and stop at the step boundary with a checkpoint, which needs no store; the store's loss
     must not end them first (after SETTLE_S, 6 s, shorter than a large model's step), only the grace period."""
     import ulysses_lc.train.job_watch as job_watch
+    from tests._nodes import WatchEnded, watch_without_store
     from ulysses_lc.train.job_table import RankTable
 
-    class Ended(Exception):
-        pass
-
-    class GoneStore:
-        def __getattr__(self, name):
-            raise RuntimeError("Connection reset by peer")  # as a TCPStore whose host ended
-
-    now = [1000.0]
-    monkeypatch.setattr(job_watch.time, "monotonic", lambda: now[0])
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    watch = job_watch.JobWatch(RankTable(("a", "a"), (0, 0), (os.getpid(), os.getpid()), 0), GoneStore(), "t/",
-                               node_timeout_s=60, stop_grace_s=25)
+    watch, now = watch_without_store(monkeypatch, RankTable(("a", "a"), (0, 0), (os.getpid(), os.getpid()), 0),
+                                     node_timeout_s=60, stop_grace_s=25)
     watch._launchers = [2**31 - 1]  # no such process: the agent has ended
     watch.stop_request.training = True  # in a step (the loop's first step set it)
-
-    def end(report, *, speak, code=1):
-        raise Ended(report.message)
-
-    watch._end = end
     watch._poll()  # sees the agent gone: a stop, for the step boundary; and the store gone
     assert watch.stop_request.reason.startswith("its launcher (pid 2147483647) ended") and watch._store_lost_at == 1000
     now[0] += job_watch.SETTLE_S + 4
     watch._poll()  # the stop is under way: the store's loss ends nothing
     now[0] += 25 - job_watch.SETTLE_S
-    with pytest.raises(Ended, match=r"^stopped by its launcher \(pid 2147483647\) ended, but the step and its "
+    with pytest.raises(WatchEnded, match=r"^stopped by its launcher \(pid 2147483647\) ended, but the step and its "
                                     r"checkpoint did not end within --stop-grace-s 25"):
         watch._poll()
 

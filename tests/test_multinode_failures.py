@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._nodes import launch_nodes, start_nodes
+from tests._nodes import launch_nodes, start_nodes, watch_without_store
 from ulysses_lc.tiny import tiny_text
 from ulysses_lc.train.job_table import RankTable, Report
 from ulysses_lc.train.job_watch import JobWatch
@@ -257,27 +257,12 @@ def test_the_store_lost_on_another_node_asks_a_stop_and_names_node_0s_launcher(m
     that the store went with node 0's launcher."""
     import ulysses_lc.train.job_watch as job_watch
 
-    class Ended(Exception):
-        pass
-
-    class GoneStore:
-        def __getattr__(self, name):
-            raise RuntimeError("Connection reset by peer")  # as a TCPStore whose host ended
-
-    now = [1000.0]
-    monkeypatch.setattr(job_watch.time, "monotonic", lambda: now[0])
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     pid = os.getpid()
-    watch = JobWatch(RankTable(("a", "a", "b", "b"), (0, 0, 1, 1), (1, 2, pid, pid), 2), GoneStore(), "t/",
-                     node_timeout_s=60)
+    watch, now = watch_without_store(monkeypatch, RankTable(("a", "a", "b", "b"), (0, 0, 1, 1), (1, 2, pid, pid), 2),
+                                     node_timeout_s=60)
     watch._launchers = [pid]  # this node's launcher, alive
-
-    def end(report, *, speak, code=1, ended_by=None):
-        raise Ended(report.message)
-
-    watch._end = end
     watch._poll()  # the store's first refusal
     watch._poll()
     assert watch.stop_request.reason == ("the job's store at 10.0.0.1:29500 is gone: node 0's launcher (torchrun's "

@@ -36,23 +36,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests._dist import _free_port
+from tests._dist import _free_port, nccl_test_backend
 
 REPO = Path(__file__).resolve().parent.parent
 
-BACKEND = os.environ.get("ULYSSES_NCCL_TEST_BACKEND", "nccl")  # "gloo": the same body on CPU (docstring)
+BACKEND, pytestmark = nccl_test_backend()  # "gloo": the same body on CPU (docstring)
 EXIT_S = 30.0
 INTO_STEP = 0.1  # the kill, after the step-3 line, in step intervals (the step-2 to step-3 lines' time)
 SEQ_LEN = {"nccl": 131072, "gloo": 2048}  # tokens per step: a step long enough to be killed in
 
-if BACKEND == "nccl":
-    pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs two CUDA devices (NCCL); ULYSSES_NCCL_TEST_BACKEND=gloo runs the "
-                                           "same body on CPU")
-elif BACKEND != "gloo":
-    raise ValueError(f"ULYSSES_NCCL_TEST_BACKEND={BACKEND!r}: pick nccl (the default) or gloo")
 
 
 def _env():

@@ -35,16 +35,15 @@ parity on gloo is covered by the CPU tests above):
     ULYSSES_NCCL_TEST_BACKEND=gloo python -m pytest tests/test_nccl_sp.py -q -s
 """
 
-import os
 import traceback
 
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import nccl_test_backend, run_distributed
 from tests.test_sp_parity import make_sequence
 
-BACKEND = os.environ.get("ULYSSES_NCCL_TEST_BACKEND", "nccl")  # "gloo": the same bodies on CPU (docstring)
+BACKEND, pytestmark = nccl_test_backend()  # "gloo": the same bodies on CPU (docstring)
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-3, 3e-2)}  # (loss, gradient) relative
 SEQ, IGNORED = 45, 9
 WINDOW = 5
@@ -60,12 +59,6 @@ CASES = {
 }
 BF16_VOCAB, BF16_SEQ = 1024, 4096  # the bf16 case with the cuDNN kernel over head groups
 
-if BACKEND == "nccl":
-    pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs two CUDA devices (NCCL); ULYSSES_NCCL_TEST_BACKEND=gloo runs the "
-                                           "same bodies on CPU")
-elif BACKEND != "gloo":
-    raise ValueError(f"ULYSSES_NCCL_TEST_BACKEND={BACKEND!r}: pick nccl (the default) or gloo")
 
 
 def _device(rank):
