@@ -38,6 +38,7 @@ cuDNN causal call). Each falls back to the next where its kernel refuses the sha
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +88,6 @@ def resolve_how(how: str, device: torch.device, window: int | None = None, kept:
 
 def rate_vs_causal(how: str, window: int) -> float:
     """WINDOW_RATES[how] at `window`: linear in log(window) between the measured points, flat beyond them."""
-    import math
-
     points = WINDOW_RATES[how]
     if window <= points[0][0]:
         return points[0][1]
@@ -386,6 +385,5 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
                      f"{q_bhsd.device} (how={how!r}); on CUDA use bf16/fp16 and head_dim <= 256.")
 
 
-__all__ = ["WINDOW_HOWS", "WindowAttention", "band_bytes_per_token", "describe_how", "rate_vs_causal",
-           "resolve_how", "WINDOW_RATES",
-           "window_attention"]
+__all__ = ["WINDOW_HOWS", "WINDOW_RATES", "WindowAttention", "band_bytes_per_token", "describe_how", "rate_vs_causal",
+           "resolve_how", "window_attention"]

@@ -277,7 +277,7 @@ class Job:
         picks it) at their measured cost per token instead of their FLOPs; packed documents take less (their
         attention is block-diagonal)."""
         shape = self.shape
-        torch_path = bool(shape.linear_layers) and deltanet_time.deltanet_path(self.deltanet)[0] == "torch"
+        torch_path = bool(shape.linear_layers) and self.deltanet_path == "torch"
         if torch_path:  # the recurrence's FLOPs left out: the torch path's measured cost replaces them
             shape = replace(shape, linear_heads=(0, 0, 0, 0))
         flops = model_flops_per_step(shape, seq_len, recompute_layers=plan.recompute_layers,
