@@ -23,16 +23,16 @@ sink is one more column of P, with value 0), and d sink = -sum_i exp(sink - L'_i
 window_size_left = w - 1; documents as its cu_seqlens), the same merge-free sink and backward; CUDA only.
 
 `how="flex"`: one compiled call of torch's flex attention over the band's block mask (flex_window.py), sinks
-through its log-sum-exp, documents in the mask; CUDA only, no kept output (its backward is flex's own). Opt-in:
-measured below the explicit kernels so far (flex_window.py).
+through its log-sum-exp, documents in the mask; CUDA only, no kept output (its backward is flex's own).
 
 Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-02, torch
 2.11; fwd+bwd TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads; WINDOW_RATES):
 flash_window 0.14 / 0.40 / 0.54 and the band over cuDNN 0.06 / 0.28 / 0.65 at windows of 128 (gpt-oss-20b heads,
 64 x 64) / 1024 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). `resolve_how` takes the highest
-measured rate at a window, linear in log(window) between the points (WINDOW_RATES): flash_window up to 2,162, the
-band beyond, flex where its rate is highest once measured so; sink layers without a window take the band (one
-cuDNN causal call). Each falls back to the next where its kernel refuses the shape.
+measured rate at a window, linear in log(window) between the points (WINDOW_RATES): flex where it runs (it is
+the highest at every window), else flash_window up to 2,162 and the band beyond; a layer that keeps its output
+takes the explicit kernels, and sink layers without a window the band (one cuDNN causal call). Each falls back to
+the next where its kernel refuses the shape.
 """
 
 from __future__ import annotations
@@ -52,10 +52,12 @@ logger = logging.getLogger(__name__)
 WINDOW_HOWS = ("auto", "band", "flash_window", "flex")
 # (window, fwd+bwd rate over causal cuDNN's, no sinks) per implementation, the module docstring's H200 measurement:
 # resolve_how picks the highest at a window, and the step estimate (sizing.py) prices window layers with it. flex's
-# one point is its path before the sink moved into the compiled call (flex_window.py); measure it again to update.
+# points are torch's own static flex call (bench_window.py's "flex": 0.19 at 128, measured 2026-12-02; 0.57 and 0.71
+# from issue 27's table), which this path's static compile is built to reach: provisional until bench_window.py
+# measures the path itself.
 WINDOW_RATES = {"flash_window": ((128, 0.141), (1024, 0.404), (4096, 0.542)),
                 "band": ((128, 0.058), (1024, 0.280), (4096, 0.648)),
-                "flex": ((128, 0.135),)}
+                "flex": ((128, 0.19), (1024, 0.57), (4096, 0.71))}
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
 
 
@@ -357,7 +359,7 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
         if how == "flex":
             raise ValueError(f"flex attention refused {tuple(q_bhsd.shape)} {q_bhsd.dtype}: "
                              f"{fallbacks.summary()}; use how='auto'.")
-        chosen = resolve_how("auto", q_bhsd.device, window)
+        chosen = resolve_how("auto", q_bhsd.device, window, kept=True)  # the best explicit kernel
     if bounds is not None and chosen != "flash_window":
         raise ValueError("bounds need how='flash_window' or 'flex'; kernels.document_attention runs the band per "
                          "document.")
