@@ -14,10 +14,10 @@ run the kernel the library picks (the record's `deltanet`: fla-core is not insta
 backward refuses Hopper on Triton 3.6, BENCHMARKS.md "Gated DeltaNet layers"; so the exact torch path).
 
 Phases, each in a process of its own, in this order, each skipped when its estimate no longer fits --budget-s:
-  ours    (--layers): an 8k warm-up step (a second one when the first paid fla's autotuning), then one timed step
-          at each of 32k, 256k and the dry run's longest fitting length (sizing.Job.longest), each skipped when the
-          last step's seconds, scaled up, say it cannot finish; on fla's kernels each length first takes an untimed
-          step (fla autotunes again at each new length);
+  ours    (--layers): an 8k warm-up step (a second one on fla's kernels, or when the first took over 30 s), then
+          one timed step at each of 32k, 256k and the dry run's longest fitting length (sizing.Job.longest), each
+          skipped when the last step's seconds, scaled up, say it cannot finish; on fla's kernels each length first
+          takes an untimed step (fla compiles again at each new length);
   stock   (--layers): stock transformers (its own path, fla's rule where fla is installed; gradient checkpointing,
           SDPA, the model's loss over full logits, torch AdamW): a step at 48k, else 40k, 32k, 16k, 8k (the first that
           does not run out of memory), after a warm-up step at that length;
@@ -144,7 +144,9 @@ def run_ours(args, rec: dict, save) -> None:
 
     wrapper.use_plan(MemoryPlan(0, 0, 0))
     rec["warmup_s"] = step(args.warmup, 0)[0]
-    if rec["warmup_s"] > 30:  # fla's first calls compile and autotune its kernels (minutes): time a second warm-up
+    if rec["warmup_s"] > 30 or (wrapper.deltanet or "").startswith("fla"):
+        # fla's first calls compile its kernels (and autotune them, minutes, without a cache): a second warm-up
+        # times the step the estimates below scale
         rec["first_warmup_s"] = rec["warmup_s"]
         rec["warmup_s"] = step(args.warmup, 1)[0]
     save()
