@@ -16,8 +16,10 @@ backward refuses Hopper on Triton 3.6, BENCHMARKS.md "Gated DeltaNet layers"; so
 Phases, each in a process of its own, in this order, each skipped when its estimate no longer fits --budget-s:
   ours    (--layers): an 8k warm-up step (a second one on fla's kernels, or when the first took over 30 s), then
           one timed step at each of 32k, 256k and the dry run's longest fitting length (sizing.Job.longest), each
-          skipped when the last step's seconds, scaled up, say it cannot finish; on fla's kernels each length first
-          takes an untimed step (fla compiles again at each new length);
+          skipped when the last step's seconds, scaled up, say it cannot finish; on fla's kernels 32k and 256k
+          first take an untimed step (the kernels' first calls at those shapes). The longest is one step, at the
+          predicted longest or, where the FLOPs model (Job.step_seconds) scaled to the 256k step says that cannot
+          finish in the time left less --stock-s, at the longest that can ("longest_capped_by_time");
   stock   (--layers): stock transformers (its own path, fla's rule where fla is installed; gradient checkpointing,
           SDPA, the model's loss over full logits, torch AdamW): a step at 48k, else 40k, 32k, 16k, 8k (the first that
           does not run out of memory), after a warm-up step at that length;
@@ -156,11 +158,26 @@ def run_ours(args, rec: dict, save) -> None:
         rec["longest_predicted"] = longest
         lengths.append(("longest", min(longest, args.longest_cap) if args.longest_cap else longest))
     prev = (args.warmup, rec["warmup_s"] * 2)  # the warm-up pays first-time costs: doubled, it over-estimates
+    fla = (wrapper.deltanet or "").startswith("fla")
+    speed = None  # measured seconds over the FLOPs model's (Job.step_seconds), from the last timed step
     for name, tokens in lengths:
         left = args.deadline - time.time()
-        est = est_seconds(prev, tokens)
-        if (wrapper.deltanet or "").startswith("fla"):
-            est = 2 * est + 30  # the untimed step first, and its autotuning
+        untimed_first = fla and name != "longest"  # the longest: one step, its first at that length
+        if name == "longest" and speed is not None:
+            # the longest the time left allows, from the FLOPs model scaled to the last step, at most the
+            # predicted longest, leaving --reserve-s for the phases after this one
+            def est_at(n):
+                return speed * job.step_seconds(n, job.fit(n, limits).plan) + 20
+
+            while tokens > args.lengths[-1] and est_at(tokens) + 10 > left - args.reserve_s:
+                tokens = max(args.lengths[-1], int(tokens * 0.85) // 8192 * 8192)
+            if tokens < lengths[-1][1]:
+                rec["longest_capped_by_time"] = tokens
+            est = est_at(tokens)
+        else:
+            est = est_seconds(prev, tokens)
+            if untimed_first:
+                est = 2 * est + 30  # the untimed step first, and its compiling
         if est + 10 > left:
             rec[name] = dict(tokens=tokens, status=f"skipped: estimated {est:.0f} s, {left:.0f} s left")
             save()
@@ -174,14 +191,17 @@ def run_ours(args, rec: dict, save) -> None:
                                              activations=predicted.act_gpu / GB, host=predicted.act_host / GB),
                      predicted_step_s_flops=job.step_seconds(tokens, plan))
         try:
-            if (wrapper.deltanet or "").startswith("fla"):  # fla autotunes again at each new length: not timed
+            if untimed_first:  # a new length's first step (its kernels' first calls at these shapes): not timed
                 entry["first_step_s"] = step(tokens, 2)[0]
                 parts.clear()
+            else:
+                entry["first_at_length"] = True
             step_s, loss = step(tokens, 1)
             peak = max(v for k, v in parts.items() if k != "held") if cuda else float("nan")
             entry.update(status="ok", step_s=step_s, loss=loss, gpu_peak=peak, ratio=predicted.gpu / GB / peak
                          if cuda else None)
             prev = (tokens, step_s)
+            speed = step_s / entry["predicted_step_s_flops"]
         except RuntimeError as e:  # out of memory: recorded, and the longer lengths after it not tried
             if not is_oom(e):
                 raise
@@ -297,8 +317,11 @@ def table(results: dict) -> str:
                 continue
             ratio = e["predicted_gpu"] / e["gpu_peak"] if e["gpu_peak"] == e["gpu_peak"] else float("nan")
             gpu = f"{e['predicted_gpu']:.1f} / {e['gpu_peak']:.1f} ({ratio:.3f})"
+            note = name
+            if name == "longest" and r.get("longest_capped_by_time"):
+                note = f"longest the time left allowed (predicted longest {r.get('longest_predicted')})"
             lines.append(f"{phase:6} {r['layers']:>3} {e['tokens']:>8}  {str(e['plan']):12} {e['step_s']:8.2f} "
-                         f"{gpu:>26}  {name}")
+                         f"{gpu:>26}  {note}")
         if not names:
             lines.append(f"{phase:6} {r.get('status')} {r.get('error', r.get('reason', ''))[:120]}")
     return "\n".join(lines)
@@ -310,6 +333,8 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="the tiny shape at a few hundred tokens (CPU)")
     p.add_argument("--budget-s", type=float, default=510)
     p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--stock-s", type=float, default=75.0,
+                   help="seconds the ours phase leaves for the stock phase when it picks its longest length")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -319,6 +344,7 @@ def main(argv=None) -> None:
     p.add_argument("--longest", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--longest-cap", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=8 * K, help=argparse.SUPPRESS)
+    p.add_argument("--reserve-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.t0 = time.perf_counter()
     if args.phase:
@@ -361,7 +387,7 @@ def main(argv=None) -> None:
         if names:
             cmd += ["--names", *names]
         if longest:
-            cmd += ["--longest"] + (["--longest-cap", str(2048)] if smoke else [])
+            cmd += ["--longest", "--reserve-s", str(args.stock_s)] + (["--longest-cap", str(2048)] if smoke else [])
         print(f"[run ] {name}: {layers} layers, {left:.0f} s left", flush=True)
         with open(args.out / "log_hybrid.txt", "a") as log:
             output, rc, timed_out, wall = launch(cmd, child_env(), max(5.0, left - 3), log, name)
@@ -378,7 +404,7 @@ def main(argv=None) -> None:
     phase("ours", args.layers, [32 * k, 256 * k], ["32k", "256k"], longest=True)
     # stock's longest fitting length: the first of these that does not run out of memory (with fla installed,
     # transformers' Qwen3.5 runs fla's rule: 32k of the 24 layers took 104.2 GB on an H200, 2026-12-02)
-    phase("stock", args.layers, [48 * k, 40 * k, 32 * k, 16 * k, 8 * k], est_s=60)
+    phase("stock", args.layers, [48 * k, 40 * k, 32 * k, 16 * k, 8 * k], est_s=min(60.0, args.stock_s))
     at256 = (results.get("ours") or {}).get("256k") or {}
     if args.layers < full_layers and at256.get("status") == "ok":
         ours = results["ours"]

@@ -151,7 +151,8 @@ def _check(name, h_kv, d, window, device, dtype):
     return max(float((a.detach().float() - b.detach()).norm() / b.detach().norm()) for a, b in zip(got, want))
 
 
-def bench_kernels(T, device, dtype, iters, deadline, shapes=HEAD_SHAPES, candidates=CANDIDATES, baselines=None):
+def bench_kernels(T, device, dtype, iters, deadline, shapes=HEAD_SHAPES, candidates=CANDIDATES, baselines=None,
+                  warmup=2):
     """Rows per (shape, candidate); `baselines` {shape: causal TF/s} is filled on the first call and read after."""
     rows, baselines = [], {} if baselines is None else baselines
     for shape, h, h_kv, d, window in shapes:
@@ -176,7 +177,7 @@ def bench_kernels(T, device, dtype, iters, deadline, shapes=HEAD_SHAPES, candida
                     fn(q, k, v).backward(dout)
 
                 causal = name == "causal_cudnn"
-                t = _time(once, max(1, iters - 1) if causal else iters, warmup=2 if name in COMPILED else 1)
+                t = _time(once, min(2, iters) if causal else iters, warmup=warmup if name in COMPILED else 1)
                 flops = 3.5 * (2.0 * T * T * h * d if causal else _flops_fwd(T, h, d, window))
                 row.update(status="ok", fwd_bwd_s=t, tflops=flops / t / 1e12,
                            backend=sorted(b for c, b in BACKENDS_SEEN if c == name))
@@ -313,7 +314,11 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=480)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--candidates", nargs="*", default=CANDIDATES, choices=CANDIDATES)
+    p.add_argument("--candidates", nargs="*", default=CANDIDATES, choices=CANDIDATES,
+                   help="in the order they run, per shape (compiled ones after the others)")
+    p.add_argument("--shapes", nargs="*", default=[x[0] for x in HEAD_SHAPES], choices=[x[0] for x in HEAD_SHAPES])
+    p.add_argument("--iters", type=int, default=3, help="timed calls per candidate (the median is kept)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls of a compiled candidate first")
     p.add_argument("--child")
     args = p.parse_args(argv)
     if args.child:
@@ -325,9 +330,9 @@ def main(argv=None):
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     T = args.tokens if cuda else 96
     kernel_rows, step_rows, baselines = [], [], {}
-    shapes = HEAD_SHAPES if cuda else [("tiny", 4, 2, 16, 8)]
+    shapes = [x for x in HEAD_SHAPES if x[0] in args.shapes] if cuda else [("tiny", 4, 2, 16, 8)]
     if args.only != "steps":  # flex (compiled per shape, the slowest to start) after the steps
-        kernel_rows = bench_kernels(T, device, dtype, 3 if cuda else 1, deadline, shapes,
+        kernel_rows = bench_kernels(T, device, dtype, args.iters if cuda else 1, deadline, shapes,
                                     [c for c in args.candidates if c not in COMPILED] if cuda else ["band_cudnn"],
                                     baselines)
     if args.only != "kernels":
@@ -338,8 +343,8 @@ def main(argv=None):
                   for n in ((32768, 16384, 8192) if cuda else (128,))]  # stock's longest fitting length
         step_rows = bench_steps(specs, deadline)
     if args.only != "steps" and cuda:
-        kernel_rows += bench_kernels(T, device, dtype, 3, deadline, shapes,
-                                     [c for c in args.candidates if c in COMPILED], baselines)
+        kernel_rows += bench_kernels(T, device, dtype, args.iters, deadline, shapes,
+                                     [c for c in args.candidates if c in COMPILED], baselines, args.warmup)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__,
                 device=torch.cuda.get_device_name() if cuda else "cpu", tokens=T)
     out = Path(args.out)
