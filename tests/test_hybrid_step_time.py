@@ -46,7 +46,7 @@ def test_step_time_of_the_hybrid_steps_measured_on_an_h200(tokens, plan, measure
 
 def test_the_torch_path_is_not_divided_by_sp_and_fla_is_priced_by_its_flops():
     # Each rank runs the whole sequence of the DeltaNet layers for its heads: on the launch-bound torch path the sp 2
-    # step keeps their whole cost; fla's kernels are priced by FLOPs like attention (unmeasured), far below it.
+    # step keeps their whole cost; fla's kernels are priced by FLOPs like attention, far below it.
     plan, tokens = MemoryPlan(8, 8, 8), 262144
     recurrence = deltanet_time.torch_path_seconds(job().shape, tokens, 1, 8)
     assert recurrence == pytest.approx(6 * tokens * (2 * deltanet_time.TORCH_FORWARD_S_PER_TOKEN
@@ -64,7 +64,7 @@ def test_the_rule_prices_fla_only_where_its_backward_runs(monkeypatch):
         assert deltanet_time.deltanet_path()[0] == path, triton
         assert (job(deltanet="auto").step_seconds(65536, MemoryPlan(0, 0, 0)) ==
                 job(deltanet=path).step_seconds(65536, MemoryPlan(0, 0, 0)))
-    assert "on fla (fla-core, Triton 3.3.1): their FLOPs at the attention rate, unmeasured" in job(
+    assert "on fla (fla-core, Triton 3.3.1): their FLOPs at the attention rate" in job(
         deltanet="auto").deltanet_line()
     with pytest.raises(ValueError, match="pick one of"):
         deltanet_time.deltanet_path("triton")

@@ -27,8 +27,9 @@ through its log-sum-exp, documents in the mask; CUDA only, no kept output (its b
 
 Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-02, torch
 2.11; fwd+bwd TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads; WINDOW_RATES):
-flash_window 0.14 / 0.40 / 0.54 and the band over cuDNN 0.06 / 0.28 / 0.65 at windows of 128 (gpt-oss-20b heads,
-64 x 64) / 1024 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). `resolve_how` takes the highest
+flex 0.18 / 0.56 / 0.71 (with sinks 0.17 / 0.54 / 0.70), flash_window 0.14 / 0.41 / 0.55 (0.08 / 0.31 / 0.50) and
+the band over cuDNN 0.06 / 0.28 / 0.66 (0.04 / 0.23 / 0.59) at windows of 128 (gpt-oss-20b heads, 64 x 64) / 1024
+(Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). `resolve_how` takes the highest
 measured rate at a window, linear in log(window) between the points (WINDOW_RATES): flex where it runs (it is
 the highest at every window), else flash_window up to 2,162 and the band beyond; a layer that keeps its output
 takes the explicit kernels, and sink layers without a window the band (one cuDNN causal call). Each falls back to
@@ -51,13 +52,10 @@ logger = logging.getLogger(__name__)
 
 WINDOW_HOWS = ("auto", "band", "flash_window", "flex")
 # (window, fwd+bwd rate over causal cuDNN's, no sinks) per implementation, the module docstring's H200 measurement:
-# resolve_how picks the highest at a window, and the step estimate (sizing.py) prices window layers with it. flex's
-# points are torch's own static flex call (bench_window.py's "flex": 0.19 at 128, measured 2026-12-02; 0.57 and 0.71
-# from issue 27's table), which this path's static compile is built to reach: provisional until bench_window.py
-# measures the path itself.
+# resolve_how picks the highest at a window, and the step estimate (sizing.py) prices window layers with it.
 WINDOW_RATES = {"flash_window": ((128, 0.141), (1024, 0.404), (4096, 0.542)),
                 "band": ((128, 0.058), (1024, 0.280), (4096, 0.648)),
-                "flex": ((128, 0.19), (1024, 0.57), (4096, 0.71))}
+                "flex": ((128, 0.184), (1024, 0.555), (4096, 0.709))}
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
 
 

@@ -284,7 +284,7 @@ class Job:
                                      cached_attention_layers=plan.cache_attention_layers)
         attn_fwd = flops.attention / 3
         recomputed_fwd = attn_fwd * (plan.recompute_layers - plan.cache_attention_layers) / self.shape.layers
-        attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / ATTENTION_FLOPS_PER_S
+        attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / attention_flops_per_s(self.shape.head_dim)
         attention += _window_extra(self.shape, seq_len, plan)
         dense = (flops.hardware - flops.attention - recomputed_fwd) / MATMUL_FLOPS_PER_S
         tokens = -(-seq_len // self.sp_size)
@@ -316,7 +316,12 @@ def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan) -> float:
         fwd = 4.0 * window_pairs(seq_len, w) * shape.heads * shape.head_dim
         how = resolve_how("auto", _CUDA, w)
         extra += (ATTENTION_PASSES + recompute_share) * fwd * (1 / rate_vs_causal(how, w) - 1)
-    return extra / ATTENTION_FLOPS_PER_S
+    return extra / attention_flops_per_s(shape.head_dim)
+
+
+def attention_flops_per_s(head_dim: int) -> float:
+    """The causal attention kernel's fwd+bwd rate on an H200 at this head dim (the constants below)."""
+    return ATTENTION_FLOPS_PER_S if head_dim <= 128 else ATTENTION_FLOPS_PER_S_WIDE_HEADS
 
 
 def zero3_offload(ds_config: dict) -> tuple[bool, bool]:
@@ -330,6 +335,10 @@ def zero3_offload(ds_config: dict) -> tuple[bool, bool]:
 # 2026-11-30_sp2-vs-alst.md), the step-time model's assumption; the attention count is FlashAttention's benchmark's
 # (github.com/Dao-AILab/flash-attention, benchmarks/benchmark_flash_attention.py: backward 2.5x the forward):
 ATTENTION_FLOPS_PER_S = 530e12  # cuDNN causal SDPA, fwd+bwd counted as 3.5 forwards: 529-553 TF/s at 128k-256k
+# Head dims above 128 (Qwen3.5, Qwen3-Next: 256) run slower: the rate the 24-layer Qwen3.5-0.8B steps at 256k and
+# 1,007,616 tokens imply for their full-attention layers once the rest is priced as above, 364 and 334 TF/s
+# (BENCHMARKS.md "Whole steps of a Qwen3.5 shape on fla's kernels", 2026-12-02): fitted, not measured apart.
+ATTENTION_FLOPS_PER_S_WIDE_HEADS = 350e12
 ATTENTION_PASSES = 3.5  # that count: forward 1, backward 2.5
 MATMUL_FLOPS_PER_S = 778e12  # bf16 matmul 8192^3
 # Memory-bound work (norms, RoPE, SiLU, copies, loss softmax) per token and layer at hidden 1024: 0.6 us, what is

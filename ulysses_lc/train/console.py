@@ -11,7 +11,7 @@ import torch
 from ..mixers import fallbacks
 from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
-from ..plan.sizing import ATTENTION_FLOPS_PER_S, GB, MATMUL_FLOPS_PER_S
+from ..plan.sizing import GB, MATMUL_FLOPS_PER_S, attention_flops_per_s
 from ..levers.yarn import describe_rope_scaling
 
 
@@ -162,7 +162,8 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
         # The gated DeltaNet layers' path priced: the dry run's by DELTANET_RULE (it cannot probe a GPU it lacks).
         deltanet_line = estimate.job.deltanet_line() if estimate.job is not None else None
         lines.append(f"step      {estimate.step_s:,.1f} s predicted (model FLOPs at an H200's measured rates: attention "
-                     f"{ATTENTION_FLOPS_PER_S / 1e12:.0f}, matmul {MATMUL_FLOPS_PER_S / 1e12:.0f} TF/s"
+                     f"{attention_flops_per_s(estimate.job.shape.head_dim if estimate.job else 128) / 1e12:.0f}, "
+                     f"matmul {MATMUL_FLOPS_PER_S / 1e12:.0f} TF/s"
                      + ("; packed documents take less" if run.stream.shape.packing else "")
                      + (f"; {deltanet_line}" if deltanet_line else "") + ")")
     return "\n".join(["ulysses_lc " + ("dry run" if run.dry_run else "run")] + ["  " + line for line in lines])
