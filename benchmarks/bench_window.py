@@ -15,8 +15,8 @@ band_flash (the same through SDPA's FLASH ops), flash_window (one call of torch'
 band_cudnn_sinks / flash_window_sinks (those with gpt-oss sinks), flex (torch.nn.attention.flex_attention as its docs show it:
 compiled, create_block_mask over a sliding-window mask_mod), auto / auto_sinks (the library's default,
 window_attention with how="auto"), flex_lib / flex_lib_sinks (its flex path, how="flex": flex_window.py's
-call, its own block mask, sinks through the log-sum-exp), flex_ourmask / flex_lib_torchmask (torch's flex call over
-the library's block mask, the library's call over torch's mask). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
+call, its own block mask, sinks through the log-sum-exp), flex_ourmask / flex_lib_torchmask / flex_lib_direct (torch's flex call
+over the library's block mask, the library's call over torch's mask, and over its own without window_attention). Each is first checked against an fp32 softmax over an explicit mask (8 heads, a
 length that is no multiple of the window): rel_err is the largest relative error norm over out, dq, dk, dv.
 Each run prints its JSON rows as it goes, a table last, and writes <out>/window_results.json.
 """
@@ -42,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # (name, q heads, kv heads, head dim, window) from the public configs.
 HEAD_SHAPES = [("gpt-oss-20b", 64, 8, 64, 128), ("gemma3-27b", 32, 16, 128, 1024), ("mistral-7b", 32, 8, 128, 4096)]
 CANDIDATES = ["band_cudnn", "band_flash", "flash_window", "band_cudnn_sinks", "flash_window_sinks", "auto", "auto_sinks",
-              "flex", "flex_lib", "flex_lib_sinks", "flex_ourmask", "flex_lib_torchmask"]
+              "flex", "flex_lib", "flex_lib_sinks", "flex_ourmask", "flex_lib_torchmask",
+              "flex_lib_direct"]
 # torch.compile'd (the slowest to start): run after the others; auto is flex where WINDOW_RATES ranks it highest
-COMPILED = {"flex", "flex_lib", "flex_lib_sinks", "auto", "auto_sinks", "flex_ourmask", "flex_lib_torchmask"}
+COMPILED = {"flex", "flex_lib", "flex_lib_sinks", "auto", "auto_sinks", "flex_ourmask", "flex_lib_torchmask",
+            "flex_lib_direct"}
 # gpt-oss-20b (openai/gpt-oss-20b config.json): 24 layers, 32 experts of which 4 per token.
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
                    head_dim=64, vocab_size=201088, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
@@ -107,7 +109,7 @@ def _attend(name, window, sinks=None):
         from ulysses_lc.mixers.kernels import causal_attention
 
         return lambda q, k, v: causal_attention(q, k, v, None, "cudnn")
-    if name in ("flex", "flex_ourmask", "flex_lib_torchmask"):
+    if name in ("flex", "flex_ourmask", "flex_lib_torchmask", "flex_lib_direct"):
         # torch's flex as its docs show it, and the two halves of the library's path swapped in one at a time (to
         # find where the library's flex path loses its 1-3% to it): torch's call over the library's block mask
         # (flex_window.block_mask), and the library's compiled call (flex_window.flex_call) over torch's mask
@@ -122,6 +124,9 @@ def _attend(name, window, sinks=None):
             T, gqa = q.shape[2], q.shape[1] != k.shape[1]
             if name == "flex_ourmask":
                 return compiled(q, k, v, block_mask=flex_window.block_mask(T, window, None, q.device), enable_gqa=gqa)
+            if name == "flex_lib_direct":  # the library's call and mask, without window_attention around them
+                return flex_window._compiled()(q, k, v, flex_window.block_mask(T, window, None, q.device),
+                                               q.shape[-1] ** -0.5, gqa, None)
             if T not in masks:
                 # _compile=True: built block by block; uncompiled it materialises a T x T mask (64 GiB at 256k)
                 masks[T] = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (ki > qi - window), None, None, T, T,
