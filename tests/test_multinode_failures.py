@@ -140,6 +140,40 @@ def test_an_exception_on_one_rank_of_node_1_is_node_0s_last_line(tmp_path):
     assert "Traceback" in out1 and any(message in line for line in _tail(out1)), out1
 
 
+def test_the_jobs_first_report_prints_at_once_on_a_rank_that_does_not_speak_for_its_node(monkeypatch, capsys):
+    """The test above, made deterministic: rank 3 (node 1, not its speaker) raises first. It prints its traceback and
+    line before any wait: node 0 ends on reading the report, node 1's speaker with the job's store, and node 1's
+    launcher would end rank 3 during a wait (seen in CI: node 1's console then lacked the cause). A rank whose
+    failure is not the first report still waits GRACE_S for its speaker, which prints a failure every rank shares."""
+    from ulysses_lc.train import cli, job_watch
+
+    waits = []
+    monkeypatch.setattr(job_watch, "claim_own_failure", lambda: None)
+    monkeypatch.setattr(job_watch, "speaks_for_node", lambda: False)
+    monkeypatch.setattr(job_watch, "where", lambda rank: f"rank {rank} on node 1")
+    monkeypatch.setattr(cli, "_rank", lambda: 3)
+    monkeypatch.setattr(cli, "record_for_launcher", lambda message: None)
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli.os, "_exit", leave)
+    try:
+        raise RuntimeError("injected failure on rank 3 at step 3")
+    except RuntimeError as e:
+        failure = e
+    for first, expected in ((True, []), (False, [cli.GRACE_S])):
+        waits.clear()
+        monkeypatch.setattr(job_watch, "publish", lambda message, first=first: first)
+        with pytest.raises(SystemExit):
+            cli._fail(failure)
+        err = capsys.readouterr().err
+        assert waits == expected, first
+        assert "Traceback" in err and err.rstrip().splitlines()[-1] == (
+            "error (rank 3 on node 1): injected failure on rank 3 at step 3"), err
+
+
 def test_a_check_failing_on_node_1_only_ends_node_0_before_any_work(tmp_path):
     node0, node1 = _cwds(tmp_path)
     node0.mkdir()

@@ -4,9 +4,10 @@ Failure reporting, for a job of many ranks on one node or several (job_watch.py 
   - a check that fails on any rank raises the same CheckFailed on every rank, once every rank's checks are agreed
     (the loop's start): each node's speaker prints it (rank 0 on node 0, the lowest rank elsewhere), the others exit
     quietly;
-  - any other failure is published on the job's store, then printed by the rank it happened on: a node's speaker at
-    once, the others after GRACE_S, so that a failure every rank shares is printed once per node (the launcher stops
-    the others when the speaker exits). Every other node's speaker prints the published report as its last line;
+  - any other failure is published on the job's store, then printed by the rank it happened on: a node's speaker
+    and the job's first report at once, the others after GRACE_S, so that a failure every rank shares is printed
+    about once per node (the launcher stops the others when the speaker exits). Every other node's speaker prints
+    the published report as its last line;
   - a rank that only lost contact with a failed peer (a gloo/NCCL error) waits up to LOST_PEER_S for the cause to
     be found (job_watch.await_cause: a report on the store, a peer's pid gone, a silent node), which ends it; without
     one it says "lost contact";
@@ -149,9 +150,12 @@ def _fail(e: BaseException) -> None:
                    f"{e}")
     else:
         job_watch.claim_own_failure()
-        job_watch.publish(message if user_error else f"{type(e).__name__}: {message}")
-        if not job_watch.speaks_for_node():
-            time.sleep(GRACE_S)  # a failure of every rank is reported by the speaker; the launcher ends this one meanwhile
+        first = job_watch.publish(message if user_error else f"{type(e).__name__}: {message}")
+        if not job_watch.speaks_for_node() and not first:
+            # a failure of every rank is reported by the speaker; the launcher ends this one meanwhile. The job's
+            # first report prints at once: its node's speaker may already be gone with the job's store (node 0
+            # ended on reading it), and the launcher would end this rank before it printed its own cause.
+            time.sleep(GRACE_S)
     sys.stdout.flush()
     if not user_error:
         traceback.print_exception(e, file=sys.stderr)
