@@ -145,8 +145,9 @@ def run_ours(args, rec: dict, save) -> None:
         return time.perf_counter() - t0, float(loss)
 
     wrapper.use_plan(MemoryPlan(0, 0, 0))
+    fla = (wrapper.deltanet or "").startswith("fla")
     rec["warmup_s"] = step(args.warmup, 0)[0]
-    if rec["warmup_s"] > 30 or (wrapper.deltanet or "").startswith("fla"):
+    if rec["warmup_s"] > 30 or fla:
         # fla's first calls compile its kernels (and autotune them, minutes, without a cache): a second warm-up
         # times the step the estimates below scale
         rec["first_warmup_s"] = rec["warmup_s"]
@@ -158,7 +159,6 @@ def run_ours(args, rec: dict, save) -> None:
         rec["longest_predicted"] = longest
         lengths.append(("longest", min(longest, args.longest_cap) if args.longest_cap else longest))
     prev = (args.warmup, rec["warmup_s"] * 2)  # the warm-up pays first-time costs: doubled, it over-estimates
-    fla = (wrapper.deltanet or "").startswith("fla")
     speed = None  # measured seconds over the FLOPs model's (Job.step_seconds), from the last timed step
     for name, tokens in lengths:
         left = args.deadline - time.time()

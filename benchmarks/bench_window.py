@@ -125,8 +125,7 @@ def _attend(name, window, sinks=None):
             if name == "flex_ourmask":
                 return compiled(q, k, v, block_mask=flex_window.block_mask(T, window, None, q.device), enable_gqa=gqa)
             if name == "flex_lib_direct":  # the library's call and mask, without window_attention around them
-                return flex_window._compiled()(q, k, v, flex_window.block_mask(T, window, None, q.device),
-                                               q.shape[-1] ** -0.5, gqa, None)
+                return flex_window.flex_window_attention(q, k, v, q.shape[-1] ** -0.5, window)
             if T not in masks:
                 # _compile=True: built block by block; uncompiled it materialises a T x T mask (64 GiB at 256k)
                 masks[T] = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (ki > qi - window), None, None, T, T,
