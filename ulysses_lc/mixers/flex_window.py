@@ -118,9 +118,11 @@ def block_mask(s: int, window: int | None, bounds, device):
     doc = None if bounds is None else _doc_ids(s, bounds, device)
 
     def mask_mod(b, h, q_idx, kv_idx):
+        # kv_idx > q_idx - window, not q_idx - kv_idx < window: the subtraction is then one per query row in the
+        # generated kernel, not one per score (torch's mask in this form ran 3% faster at window 128, module docstring)
         ok = kv_idx <= q_idx
         if window is not None:
-            ok = ok & (q_idx - kv_idx < window)
+            ok = ok & (kv_idx > q_idx - window)
         if doc is not None:
             ok = ok & (doc[q_idx] == doc[kv_idx])
         return ok

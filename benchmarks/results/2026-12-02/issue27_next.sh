@@ -9,8 +9,8 @@
 set -u
 OUT=$1
 mkdir -p "$OUT" /tmp/site /tmp/triton_cache
-python3 benchmarks/bench_window.py --only kernels --shapes gpt-oss-20b --iters 10 --warmup 5 --budget-s 150 \
-  --candidates flex flex_ourmask flex_lib_torchmask flex_lib_direct auto --out "$OUT/window_swap" 2>&1 | tee "$OUT/window_swap.log" \
+python3 benchmarks/bench_window.py --only kernels --shapes gpt-oss-20b --iters 10 --warmup 5 --budget-s 200 \
+  --candidates flex flex_ourmask flex_lib_torchmask flex_lib_direct auto flex --out "$OUT/window_swap" 2>&1 | tee "$OUT/window_swap.log" \
   | grep -v '^{' | grep -v Warning | grep -v 'masks\[T\]' | tail -7
 tar -xJf .tw/triton371.tar.xz -C /tmp/site
 [ -f .tw/triton_cache_autotune.tar.xz ] && tar -xJf .tw/triton_cache_autotune.tar.xz -C /tmp/triton_cache
