@@ -162,7 +162,8 @@ def run_ours(args, rec: dict, save) -> None:
     speed = None  # measured seconds over the FLOPs model's (Job.step_seconds), from the last timed step
     for name, tokens in lengths:
         left = args.deadline - time.time()
-        untimed_first = fla and name != "longest"  # the longest: one step, its first at that length
+        # the longest: one step, its first at that length; a forced plan (a memory probe): no timing wanted
+        untimed_first = fla and name != "longest" and not args.force_plan
         if name == "longest" and speed is not None:
             # the longest the time left allows, from the FLOPs model scaled to the last step, at most the
             # predicted longest, leaving --reserve-s for the phases after this one
@@ -182,7 +183,8 @@ def run_ours(args, rec: dict, save) -> None:
             rec[name] = dict(tokens=tokens, status=f"skipped: estimated {est:.0f} s, {left:.0f} s left")
             save()
             continue
-        plan = wrapper.plan_step(tokens, dev, reserved_bytes=0, budget=job.budget(limits))
+        plan = (MemoryPlan(*args.force_plan) if args.force_plan else
+                wrapper.plan_step(tokens, dev, reserved_bytes=0, budget=job.budget(limits)))
         predicted = job.predict(tokens, plan)
         wrapper.use_plan(plan)
         parts.clear()
@@ -345,6 +347,9 @@ def main(argv=None) -> None:
     p.add_argument("--longest-cap", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=8 * K, help=argparse.SUPPRESS)
     p.add_argument("--reserve-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    # the ours phase's plan counts (checkpointed, inputs on the GPU, kept outputs) instead of plan_step's: a probe of
+    # one term of the memory model (every layer recomputed: the peak is one layer's recompute beside what is held)
+    p.add_argument("--force-plan", type=int, nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.t0 = time.perf_counter()
     if args.phase:
