@@ -18,12 +18,14 @@ Its backward is flex's own (autograd through the compiled call): no kept output.
 output for the recompute (attention.kept_output_attention) runs window_attention's explicit kernels instead.
 
 Measured on one H200 (benchmarks/bench_window.py, 2026-12-02, torch 2.11, Triton 3.6, 262,144 tokens; fwd+bwd
-TF/s on the FLOPs the window needs over causal cuDNN's): 0.18 / 0.56 / 0.71 at windows 128 (gpt-oss-20b's 64 x 64
-heads) / 1024 (Gemma 3 27B's 32 x 128) / 4096 (Mistral 7B's 32 x 128), 0.17 / 0.54 / 0.70 with sinks, exact
-(tests/test_window_cuda.py); torch's flex as its docs show it (create_block_mask, compiled statically) 0.19 / 0.56 /
-0.71 in the same run, 0.8 / 0.7 / 1.4 ms a call faster (at 128 again with 10 timed calls: 23.7 against 24.5 ms).
-The first version compiled with dynamic shapes, and its sinks were scaled in eager code outside the compiled
-call: 0.14 at 128, 0.07 with sinks.
+TF/s on the FLOPs the window needs over causal cuDNN's): 0.19 / 0.57 / 0.71 at windows 128 (gpt-oss-20b's 64 x 64
+heads) / 1024 (Gemma 3 27B's 32 x 128) / 4096 (Mistral 7B's 32 x 128), 0.18 / 0.55 / 0.70 with sinks, exact
+(tests/test_window_cuda.py); torch's flex as its docs show it (create_block_mask, compiled statically) 0.19 / 0.57 /
+0.71 in the same run: 23.55 / 50.88 / 163.34 ms a call against its 23.63 / 50.98 / 162.67. Before, the mask_mod
+read `q_idx - kv_idx < window` (a subtraction per score where torch's form has one per row) and cost 0.8-1.4 ms a
+call: torch's call over this mask 24.4 ms at 128, this call over torch's mask 23.7, torch's own 23.6. The first
+version compiled with dynamic shapes, and its sinks were scaled in eager code outside the compiled call: 0.14 at
+128, 0.07 with sinks.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def block_mask(s: int, window: int | None, bounds, device):
 
     def mask_mod(b, h, q_idx, kv_idx):
         # kv_idx > q_idx - window, not q_idx - kv_idx < window: the subtraction is then one per query row in the
-        # generated kernel, not one per score (torch's mask in this form ran 3% faster at window 128, module docstring)
+        # generated kernel, not one per score (module docstring: 3% at window 128)
         ok = kv_idx <= q_idx
         if window is not None:
             ok = ok & (kv_idx > q_idx - window)

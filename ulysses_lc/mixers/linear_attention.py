@@ -133,18 +133,30 @@ RECURRENCE_BYTES_PER_HEAD_TOKEN = 11_500
 # fla's kernels (fla-core 0.6.0 over Triton 3.7.1, whose gated backward fla allows on Hopper): one whole step of the
 # Qwen3.5-0.8B shape, all 24 layers, at 32,768 tokens with the plan 5 / 5 / 5 (18 DeltaNet layers, 15 of them plain)
 # on one H200, 2026-12-02 (benchmarks/results/2026-12-02/hybrid_qwen3.5-0.8b-24layers_fla.json): 47.7 GB measured
-# against 116.8 GB priced at the torch path's 11.5 KB; 2.1 KB prices it at 47.9 GB (1.004). One point, fitted,
-# not held out: 256k and the longest length are the next measurements.
+# against 116.8 GB priced at the torch path's 11.5 KB; 2.1 KB prices it at 47.9 GB (1.004). One point, fitted; the
+# 256k and 1M steps after it held it (1.063, 1.012 with the recompute's own bytes below: tests/test_hybrid_memory.py).
 FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN = 2_100
+# What a recomputed gated DeltaNet layer holds at its peak on fla's kernels (its forward again, then its backward),
+# apart from the stored block above: the same shape, 12 of its layers, every layer recomputed (plan 12 / 0 / 12), at
+# 262,144 and 524,288 tokens (benchmarks/results/2026-12-02/next/probe_12layers.json, 2026-12-02): the backward's
+# peak 38.16 and 64.68 GB, 101.2 KB a token between them, 33.0 KB a token over the recompute term priced at the
+# stored block's 2.1 KB a head. Priced at the block's 2.1 KB, the 12-layer step at the dry run's longest (1,713,152
+# tokens) ran out of memory past 149 GB against 127.9 predicted. Fitted on these two points; held out, all 24
+# layers at the dry run's longest after the fit (1,116,160 tokens): 129.05 GB measured, 128.49 predicted (0.996).
+FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN = 4_160
 
 
-def recurrence_block_bytes(shape, seq_len: int, sp_size: int, kernel: str = "torch") -> int:
+def recurrence_block_bytes(shape, seq_len: int, sp_size: int, kernel: str = "torch", recompute: bool = False) -> int:
     """Device bytes of one gated DeltaNet layer's recurrence on one rank (its value heads over the whole padded
-    sequence) on `kernel`'s path ("torch" or "fla"), 0 for a model without such layers; a `shape.ModelShape`."""
+    sequence) on `kernel`'s path ("torch" or "fla"), 0 for a model without such layers; a `shape.ModelShape`.
+    recompute: at a recomputed layer's peak (fla: FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN; the torch path's
+    figure is a recomputed layer's already), not the block a plain layer stores."""
     if not shape.linear_layers:
         return 0
     s_pad = -(-seq_len // sp_size) * sp_size
-    per = FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN if kernel == "fla" else RECURRENCE_BYTES_PER_HEAD_TOKEN
+    per = RECURRENCE_BYTES_PER_HEAD_TOKEN
+    if kernel == "fla":
+        per = FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN if recompute else FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN
     return s_pad * (shape.linear_heads[1] // sp_size) * per
 
 
@@ -356,5 +368,5 @@ def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto"
 
 
 __all__ = ["DELTANET_KERNELS", "GatedDeltaNetMixer", "LINEAR_MODEL_TYPES", "check_linear_heads",
-           "install_linear_attention", "is_gated_deltanet", "recurrence_block_bytes", "FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN", "resolve_deltanet_kernel",
+           "install_linear_attention", "is_gated_deltanet", "recurrence_block_bytes", "FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN", "FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN", "resolve_deltanet_kernel",
            "valid_linear_sp_sizes"]

@@ -27,7 +27,8 @@ through its log-sum-exp, documents in the mask; CUDA only, no kept output (its b
 
 Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-02, torch
 2.11; fwd+bwd TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads; WINDOW_RATES):
-flex 0.18 / 0.56 / 0.71 (with sinks 0.17 / 0.54 / 0.70), flash_window 0.14 / 0.41 / 0.55 (0.08 / 0.31 / 0.50) and
+flex 0.19 / 0.57 / 0.71 (with sinks 0.18 / 0.55 / 0.70; torch's own flex call in the same run 0.19 / 0.57 / 0.71),
+flash_window 0.14 / 0.41 / 0.55 (0.08 / 0.31 / 0.50) and
 the band over cuDNN 0.06 / 0.28 / 0.66 (0.04 / 0.23 / 0.59) at windows of 128 (gpt-oss-20b heads, 64 x 64) / 1024
 (Gemma 3 27B, 32 x 128) / 4096 (Mistral 7B, 32 x 128). `resolve_how` takes the highest
 measured rate at a window, linear in log(window) between the points (WINDOW_RATES): flex where it runs (it is
@@ -55,7 +56,7 @@ WINDOW_HOWS = ("auto", "band", "flash_window", "flex")
 # resolve_how picks the highest at a window, and the step estimate (sizing.py) prices window layers with it.
 WINDOW_RATES = {"flash_window": ((128, 0.141), (1024, 0.404), (4096, 0.542)),
                 "band": ((128, 0.058), (1024, 0.280), (4096, 0.648)),
-                "flex": ((128, 0.184), (1024, 0.555), (4096, 0.709))}
+                "flex": ((128, 0.195), (1024, 0.569), (4096, 0.705))}
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
 
 

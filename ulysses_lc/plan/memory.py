@@ -166,11 +166,12 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
     # A gated DeltaNet's recurrence: what a plain one stores from its forward is its whole block (its backward works
     # within it); a recomputed one builds it again. The model counts it on the plain layers that are DeltaNets.
     recurrence = recurrence_block_bytes(shape, seq_len, sp_size, deltanet)
+    recurrence_recompute = recurrence_block_bytes(shape, seq_len, sp_size, deltanet, recompute=True)
     output = seq_local * kept_output_bytes_per_token(shape)
     chunk = auto_chunk_rows(shape.vocab) * shape.vocab * 4  # one chunk's fp32 logits, inside loss_head_bytes
     return StepTerms.fitted(
         layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape),
-        recurrence=recurrence, linear_layers=shape.linear_layers,
+        recurrence=recurrence, recurrence_recompute=recurrence_recompute, linear_layers=shape.linear_layers,
         # Window / sink layers: the band's own copies (window_attention.py) join the working set.
         working_formula=seq_local * (working_set_bytes_per_token(shape)
                                      + (band_bytes_per_token(shape) if shape.layer_windows or shape.sinks else 0)),
