@@ -368,5 +368,6 @@ def install_linear_attention(model, layout: ParallelLayout, kernel: str = "auto"
 
 
 __all__ = ["DELTANET_KERNELS", "GatedDeltaNetMixer", "LINEAR_MODEL_TYPES", "check_linear_heads",
-           "install_linear_attention", "is_gated_deltanet", "recurrence_block_bytes", "FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN", "FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN", "resolve_deltanet_kernel",
-           "valid_linear_sp_sizes"]
+           "install_linear_attention", "is_gated_deltanet", "recurrence_block_bytes",
+           "FLA_RECURRENCE_BYTES_PER_HEAD_TOKEN", "FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN",
+           "resolve_deltanet_kernel", "valid_linear_sp_sizes"]

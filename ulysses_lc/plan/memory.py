@@ -164,7 +164,8 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
                                                                              shape.head_dim)
     block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
     # A gated DeltaNet's recurrence: what a plain one stores from its forward is its whole block (its backward works
-    # within it); a recomputed one builds it again. The model counts it on the plain layers that are DeltaNets.
+    # within it); a recomputed one builds it again, and on fla holds more at its peak (recurrence_recompute). The
+    # model counts the block on the plain layers that are DeltaNets.
     recurrence = recurrence_block_bytes(shape, seq_len, sp_size, deltanet)
     recurrence_recompute = recurrence_block_bytes(shape, seq_len, sp_size, deltanet, recompute=True)
     output = seq_local * kept_output_bytes_per_token(shape)

@@ -103,21 +103,21 @@ class StepTerms:
     def fitted(cls, *, layers: int, plain_formula: float, working_formula: float, block: float, kept: int,
                cached: int, attention_output: int, loss: int, loss_chunk: int, sp_size: int, packed: bool,
                offload: bool, recurrence: float = 0, linear_layers: tuple = (),
-               recurrence_recompute: float | None = None) -> "StepTerms":
+               recurrence_recompute: float = 0) -> "StepTerms":
         """The terms from the levers' formulas (bytes per rank) and the fitted coefficients above.
         block: the attention backward's own block; attention_output: one layer's attention output and log-sum-exp
         (the unit of the SP and packed extras); recurrence: a gated DeltaNet's recurrence block (measured bytes,
         linear_attention.RECURRENCE_BYTES_PER_HEAD_TOKEN: not scaled by the fits), linear_layers: per layer, whether
-        it is a gated DeltaNet; recurrence_recompute: what a recomputed one holds at its peak, where that differs
-        (fla's kernels, linear_attention.FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN). A plain DeltaNet layer stores its whole block from its forward and its backward stays
-        within it (Qwen3.5-0.8B shape, every layer plain at 32k on an H200: the backward's peak 1.6 GB under the loss's,
-        BENCHMARKS.md "Whole steps of a Qwen3.5 shape"); a recomputed one builds it again."""
+        it is a gated DeltaNet; recurrence_recompute: what a recomputed one holds at its peak (the block again on the
+        torch path, more on fla's: linear_attention.FLA_RECURRENCE_RECOMPUTE_BYTES_PER_HEAD_TOKEN). A plain DeltaNet
+        layer stores its whole block from its forward and its backward stays within it (Qwen3.5-0.8B shape, every
+        layer plain at 32k on an H200: the backward's peak 1.6 GB under the loss's, BENCHMARKS.md "Whole steps of a
+        Qwen3.5 shape"); a recomputed one builds it again."""
         plain = (PLAIN_FIT * plain_formula + (SP_PLAIN_FIT * attention_output if sp_size > 1 else 0)
                  + (PACKED_PLAIN_FIT * attention_output if packed else 0))
         return cls(layers=layers, plain=plain, kept=kept, cached=cached,
                    backward=BACKWARD_FIT * plain_formula + block,
-                   recompute=RECOMPUTE_FIT * working_formula + max(block, recurrence if recurrence_recompute is None
-                                                                   else recurrence_recompute),
+                   recompute=RECOMPUTE_FIT * working_formula + max(block, recurrence_recompute),
                    loss=loss, loss_chunk=loss_chunk, offload=offload, linear_layers=tuple(linear_layers),
                    recurrence=recurrence if any(linear_layers) else 0)
 

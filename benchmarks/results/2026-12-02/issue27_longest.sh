@@ -8,10 +8,7 @@
 #   carry .whl and .tw: .tw/triton371.tar.xz and .tw/triton_cache_autotune.tar.xz)
 set -u
 OUT=$1
-mkdir -p "$OUT" /tmp/site /tmp/triton_cache
-tar -xJf .tw/triton371.tar.xz -C /tmp/site
-tar -xJf .tw/triton_cache_autotune.tar.xz -C /tmp/triton_cache
-export TRITON_CACHE_DIR=/tmp/triton_cache PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+. benchmarks/results/2026-12-02/fla_env.sh
 timeout "${TOTAL_S:-560}" python3 benchmarks/bench_hybrid.py --phase ours --child-out "$OUT/hybrid_${LAYERS:-24}layers.json" \
   --deadline $(( $(date +%s) + ${TOTAL_S:-560} - 15 )) --shape qwen3.5-0.8b --layers "${LAYERS:-24}" \
   --lengths ${LENGTHS:-} --names ${NAMES:-} --longest 2>&1 | tee "$OUT/hybrid_${LAYERS:-24}layers.log" | grep -v Warning | tail -12
