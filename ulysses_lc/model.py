@@ -253,9 +253,14 @@ class SequenceParallelCausalLM(nn.Module):
         finally:
             self.attention.expected_bounds = None
 
-    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None):
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None,
+                num_items_in_batch=None):
         """The sequence's mean loss; with `documents` (an int, preference training) the [documents] summed
-        log-probabilities of the first packed documents' labels instead, the same on every SP rank (preference.py)."""
+        log-probabilities of the first packed documents' labels instead, the same on every SP rank (preference.py).
+
+        num_items_in_batch: the token loss is the sequence's summed token losses over this count instead of its own
+            (the valid labels of the whole optimizer step, as transformers' Trainer passes it to a model: token
+            weighting across gradient accumulation and DP; README, "Weighting rules")."""
         if labels is None:
             raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
         hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
@@ -269,7 +274,7 @@ class SequenceParallelCausalLM(nn.Module):
             if cap:  # Gemma's final soft-capping, which the model's own forward applies after its head
                 logits_bsv = torch.tanh(logits_bsv / cap) * cap
             loss_sum, n_valid = plain_loss_sum(logits_bsv, labels)
-        loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout)
+        loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout, num_items_in_batch)
         return loss
 
     def undo(self) -> None:

@@ -42,11 +42,13 @@ def sp_sum(x: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
     return _SumOverGroup.apply(x, layout.sp_group) if layout.sp_size > 1 else x
 
 
-def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: ParallelLayout):
+def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: ParallelLayout, num_items_in_batch=None):
     """Mean loss over the valid tokens of the whole sequence, identical on every rank of the SP group.
 
     loss_sum: differentiable fp32 scalar, this rank's summed token losses.
     n_valid: integer scalar, this rank's count of labels != IGNORE_INDEX.
+    num_items_in_batch: the denominator instead of the sequence's own count: the valid labels of every sequence of
+      the optimizer step (token weighting across accumulation and DP, as transformers' Trainer passes it).
     Returns (loss, n_valid_total). A sequence with no valid label gives loss 0 with zero gradients.
     No host sync: counts stay on the device.
     """
@@ -54,4 +56,6 @@ def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: Parallel
     if layout.sp_size > 1:
         dist.all_reduce(n_total, group=layout.sp_group)
         loss_sum = _SumOverGroup.apply(loss_sum, layout.sp_group)
-    return loss_sum / n_total.clamp(min=1.0), n_total
+    denominator = n_total if num_items_in_batch is None else torch.as_tensor(
+        num_items_in_batch, dtype=torch.float32, device=n_total.device)
+    return loss_sum / denominator.clamp(min=1.0), n_total

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..constants import IGNORE_INDEX
 from ..data import build_token_stream, check_source, pad_token_id
 from ..parallel.distributed import init_distributed, seed_step, world_size
 from ..parallel.layout import ParallelLayout
@@ -43,6 +44,7 @@ from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
 from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_path
+from .optimizer import param_groups, set_weight_decay
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -145,15 +147,15 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     # The plan's parameter count is the dry run's (the config's, on the meta device), so both price the same state.
     num_params = sized_params(checked)
 
+    # No weight decay on biases and norm weights, as Hugging Face's Trainer (optimizer.py); the groups reach the
+    # config's optimizer too (DeepSpeed's CPU Adam under optimizer offload), which takes each group's weight_decay.
+    groups = param_groups(model, optim.weight_decay)
     optimizer = None
     if "optimizer" not in ds_config:
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, weight_decay=optim.weight_decay, fused=device.type == "cuda"
-        )
+        optimizer = torch.optim.AdamW(groups, lr=optim.lr, weight_decay=optim.weight_decay, fused=device.type == "cuda")
     schedule = Schedule(optim)  # a function of this object, not the object: LambdaLR would save and load its fields
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
+        model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
         # Saved on another world size: the engine reads the ZeRO-3 state through DeepSpeed's universal checkpoint.
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
@@ -240,29 +242,40 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             # which get_last_lr() is the next step's.
             lr = scheduler.get_last_lr()[0]
             losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
+            # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
+            # global_batch sequences however they are split over DP groups and micro steps.
+            windows = [stream.position + micro * layout.dp_size + layout.dp_rank for micro in range(grad_accum)]
+            if not dpo:  # every micro step's sequence first: its labels count in every sequence's token loss
+                samples = [stream.sample(window) for window in windows]
+                batches = [shard_batch(sample.input_ids, layout, labels=sample.labels,
+                                       pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
+                                       document_lengths=sample.document_lengths).to(device) for sample in samples]
+                num_items = _step_labels(batches, layout)
             for micro in range(grad_accum):
-                # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
-                # global_batch sequences however they are split over DP groups and micro steps.
-                sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
-                    window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
-                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
+                    sample = stream.sample(windows[micro])
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device,
+                                                                                windows[micro] % len(stream))
                     pair_metrics.append(metrics)
+                    engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 else:
-                    batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
-                                        pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
-                                        document_lengths=sample.document_lengths).to(device)
-                    loss = engine(**batch.as_kwargs())
+                    # Tokens weigh the same across micro steps and DP groups, as in transformers' Trainer (README,
+                    # "Weighting rules"): the loss is this sequence's summed token losses over the step's labels, and
+                    # ZeRO-3's mean over DP groups is undone by dp_size, with no division by the micro steps.
+                    sample = samples[micro]
+                    loss = engine(**batches[micro].as_kwargs(), num_items_in_batch=num_items)
                     n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
-                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
+                    engine.backward(loss * layout.dp_size, scale_wrt_gas=False)
                 engine.step()  # the optimizer steps at the last micro step only
                 losses.append(loss.detach())
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
             # The one host sync of the step: the logged numbers.
-            loss_value = _dp_mean(torch.stack(losses).mean(), layout)
+            # SFT: the micro steps' losses are shares of the step's token mean; DPO: each a sequence's mean.
+            loss_value = _dp_mean(torch.stack(losses).mean() if dpo else torch.stack(losses).sum() * layout.dp_size,
+                                  layout)
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
@@ -332,7 +345,8 @@ def _apply_lr(scheduler, schedule: Schedule, optim: OptimSettings) -> None:
     scheduler.base_lrs = [optim.lr for _ in scheduler.base_lrs]
     lr = optim.lr * schedule(scheduler.last_epoch)
     for group in scheduler.optimizer.param_groups:
-        group["lr"], group["weight_decay"] = lr, optim.weight_decay
+        group["lr"] = lr
+    set_weight_decay(scheduler.optimizer, optim.weight_decay)  # the exempt group stays at 0
     scheduler._last_lr = [lr for _ in scheduler.base_lrs]
 
 
@@ -354,8 +368,17 @@ def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
     return total.tolist()
 
 
+def _step_labels(batches: list, layout: ParallelLayout) -> torch.Tensor:
+    """The optimizer step's valid labels: this rank's slices of its micro steps' sequences, summed over every rank (an
+    SP group's slices make its sequences' counts, the DP groups the rest). Collective; stays on the device."""
+    count = sum((batch.labels != IGNORE_INDEX).sum() for batch in batches)
+    if layout.world_size > 1:
+        torch.distributed.all_reduce(count, group=layout.world_group)
+    return count
+
+
 def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
-    """The step's loss averaged over DP groups (each SP group already holds its sequence's mean)."""
+    """The step's loss averaged over DP groups (each SP group holds the same value on its ranks)."""
     if layout.dp_size > 1:
         loss = loss.clone()
         torch.distributed.all_reduce(loss, group=layout.dp_group)
