@@ -236,6 +236,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
+            # The lr this step trains with: engine.step() advances the schedule at the step's last micro step, after
+            # which get_last_lr() is the next step's.
+            lr = scheduler.get_last_lr()[0]
             losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
@@ -267,7 +270,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             try:
                 record = step_logger.log(
                     step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
-                    lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
+                    lr=lr, offload_host_gb=model.checkpointing.host_bytes / 1e9,
                     # Unpacked windows are one causal stream each: no document count to show.
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
