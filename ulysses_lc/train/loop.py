@@ -42,7 +42,7 @@ from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_path
+from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_entry
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -189,8 +189,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     estimate.check()
 
     if run.objective.reference == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
-        path = reference_path(model_settings, checked.rope, stream, stream_settings.cache_dir)
-        hit = dpo_step.precompute(engine, stream, path, cache_files.writes, device)
+        entry = reference_entry(model_settings, model_config, tokenizer, stream, stream_settings.cache_dir, layout)
+        hit = dpo_step.precompute(engine, stream, entry, cache_files.writes, device)
         if rank0:
             logger.info("DPO reference log-probabilities of %d sequences %s the token cache", len(stream),
                         "read from" if hit else "computed once, written to")
