@@ -21,7 +21,7 @@ log() { echo "== $(date +%T) $*" | tee -a "$OUT/log.txt"; }
 case $PHASE in
 keep)
   mkdir -p /tmp/keep && cp .smol_a/gguf.part00 /tmp/keep/ && ls -la /tmp/keep | tee "$OUT/log.txt"
-  bash benchmarks/results/2026-12-03/gpt_oss_steps.sh "$OUT"
+  [ "${GPT_OSS:-1}" = 1 ] && bash benchmarks/results/2026-12-03/gpt_oss_steps.sh "$OUT"
   ;;
 train)
   mkdir -p $W/gguf
