@@ -127,7 +127,7 @@ def token_weighted_step(cfg, sequences):
 
 def test_main_job_weighs_tokens_across_accumulation_and_dp(tmp_path, datasets_dir):
     # Completion-only windows with different label counts: every label weighs the same across micro steps and DP
-    # groups, as in transformers' Trainer (README, "Weighting rules"). sp 2 with 2 micro steps, and sp 1 with 2 DP
+    # groups, as in transformers' Trainer (docs/weighting.md). sp 2 with 2 micro steps, and sp 1 with 2 DP
     # groups of 2 micro steps, against the plain model: the first step's loss 1e-5 relative, every gradient 1e-4.
     from tests._grads import assert_grads_close, train_first_step
     from ulysses_lc.model import SequenceParallelCausalLM
