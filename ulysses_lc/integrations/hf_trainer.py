@@ -51,6 +51,7 @@ from ..parallel.distributed import init_distributed, seed_step
 from ..parallel.layout import ParallelLayout
 from .trainer_engine import check_engine_mpu, deepspeed_initialize_with_mpu
 from ..model import SequenceParallelCausalLM
+from ..objectives.loss import step_num_items
 from ..parallel.sharding import document_lengths_from_positions, shard_batch
 
 logger = logging.getLogger(__name__)
@@ -299,12 +300,8 @@ class UlyssesTrainerMixin:
             return super()._get_num_items_in_batch(batch_samples, device)
         # Our labels are shifted already (ShardingCollator): every one != IGNORE_INDEX is a prediction target, which
         # the Trainer's own count (labels[..., 1:] of unshifted labels) would miss on every SP rank but the first.
-        count = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batch_samples)
-        count = torch.tensor(count, dtype=torch.int64, device=device)
-        layout, across = self.layout, self.args.average_tokens_across_devices
-        if (layout.world_size if across else layout.sp_size) > 1:
-            torch.distributed.all_reduce(count, group=layout.world_group if across else layout.sp_group)
-        return count
+        return step_num_items([batch["labels"] for batch in batch_samples], self.layout, device=device,
+                              across_dp=self.args.average_tokens_across_devices)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)

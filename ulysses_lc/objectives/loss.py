@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..constants import IGNORE_INDEX
 from ..parallel.layout import ParallelLayout
 
 
@@ -59,3 +60,17 @@ def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: Parallel
     denominator = n_total if num_items_in_batch is None else torch.as_tensor(
         num_items_in_batch, dtype=torch.float32, device=n_total.device)
     return loss_sum / denominator.clamp(min=1.0), n_total
+
+
+def step_num_items(labels: list, layout: ParallelLayout, device=None, across_dp: bool = True) -> torch.Tensor:
+    """`num_items_in_batch` for token weighting (docs/weighting.md): the valid labels of the optimizer step.
+
+    labels: this rank's slices of its micro steps' shifted labels (ShardedBatch.labels, each != IGNORE_INDEX a target).
+    Summed over the SP group (the slices of each sequence) and, across_dp, over the DP groups too (transformers'
+    average_tokens_across_devices). Collective over those ranks; an int64 scalar on `device` (default: the labels').
+    """
+    count = sum((labels_bs != IGNORE_INDEX).sum() for labels_bs in labels)
+    count = torch.as_tensor(count, dtype=torch.int64, device=device if device is not None else labels[0].device)
+    if (layout.world_size if across_dp else layout.sp_size) > 1:
+        dist.all_reduce(count, group=layout.world_group if across_dp else layout.sp_group)
+    return count

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from ..constants import IGNORE_INDEX
 from ..data import build_token_stream, check_source, pad_token_id
 from ..parallel.distributed import init_distributed, seed_step, world_size
 from ..parallel.layout import ParallelLayout
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
+from ..objectives.loss import step_num_items
 from ..parallel.sharding import shard_batch
 from ..parallel.zero_reshard import universal_config
 from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line,
@@ -260,7 +260,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 batches = [shard_batch(sample.input_ids, layout, labels=sample.labels,
                                        pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
                                        document_lengths=sample.document_lengths).to(device) for sample in samples]
-                num_items = _step_labels(batches, layout)
+                num_items = step_num_items([batch.labels for batch in batches], layout)
             for micro in range(grad_accum):
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
@@ -379,15 +379,6 @@ def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
     if layout.dp_size > 1:
         torch.distributed.all_reduce(total, group=layout.dp_group)
     return total.tolist()
-
-
-def _step_labels(batches: list, layout: ParallelLayout) -> torch.Tensor:
-    """The optimizer step's valid labels: this rank's slices of its micro steps' sequences, summed over every rank (an
-    SP group's slices make its sequences' counts, the DP groups the rest). Collective; stays on the device."""
-    count = sum((batch.labels != IGNORE_INDEX).sum() for batch in batches)
-    if layout.world_size > 1:
-        torch.distributed.all_reduce(count, group=layout.world_group)
-    return count
 
 
 def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
