@@ -93,7 +93,7 @@ FLOORS = {
     "integrations": 6,
     "train": 7,
 }
-GROUND = {"constants", "handle", "layers", "shape", "recompute", "tiny", "peft_support", "moved"}
+GROUND = {"constants", "handle", "layers", "shape", "composite", "recompute", "tiny", "peft_support", "moved"}
 
 
 def _part(module: str) -> str | None:

@@ -4,8 +4,9 @@ The package is laid out by what each part is, lowest floor first; a floor import
 (tests/test_structure.py holds the rule). README.md, "How a step flows", follows one step through them.
 
   ground         constants, handle (what every install_* returns), layers (where a model keeps its decoder
-                 layers), shape (ModelShape, read once from the config), recompute (the checkpointing <-> attention
-                 channel), peft_support, tiny (the tiny model and text of the embedded default)
+                 layers), shape (ModelShape, read once from the config), composite (the language model of a
+                 multimodal checkpoint, and its export in the checkpoint's own files), recompute (the checkpointing
+                 <-> attention channel), peft_support, tiny (the tiny model and text of the embedded default)
   parallel/      process groups and data placement: distributed, layout, sharding, exchange, zero_reshard, ds_config
   mixers/        what runs on the whole sequence after the exchange: attention, kernels, explicit_attention,
                  window_attention, linear_attention, fallbacks

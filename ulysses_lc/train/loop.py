@@ -29,6 +29,7 @@ from ..parallel.distributed import init_distributed, seed_step, world_size
 from ..parallel.layout import ParallelLayout
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
+from ..shape import text_config
 from ..parallel.sharding import shard_batch
 from ..parallel.zero_reshard import universal_config
 from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line,
@@ -159,7 +160,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
-    dpo_step = DPOStep(run.objective, seq_len, layout, model_config.vocab_size, pad_token_id(tokenizer),
+    dpo_step = DPOStep(run.objective, seq_len, layout, text_config(model_config).vocab_size, pad_token_id(tokenizer),
                        load_reference(run, checked, device, layout), adapters=bool(model_settings.lora_r)) \
         if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
@@ -248,7 +249,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
-                                        pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
+                                        pad_token_id=pad_token_id(tokenizer), vocab_size=text_config(model_config).vocab_size,
                                         document_lengths=sample.document_lengths).to(device)
                     loss = engine(**batch.as_kwargs())
                     n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
