@@ -14,6 +14,7 @@ from ..plan.metrics import StepLogger
 from ..plan.sizing import GB, MATMUL_FLOPS_PER_S, attention_flops_per_s
 from ..levers.yarn import describe_rope_scaling
 from ..shape import text_config
+from ..parallel.distributed import ignore_unactionable_warnings
 
 
 def quiet_warnings(rank: int | None = None) -> None:
@@ -24,11 +25,7 @@ def quiet_warnings(rank: int | None = None) -> None:
     """
     if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
         warnings.simplefilter("ignore")
-    # DeepSpeed's ZeRO-3 (0.17-0.20) gathers and reduce-scatters parameters through torch.distributed calls that
-    # torch 2.11+ deprecates; the FutureWarning names torch's wrapper (c10d_logger.py) as its source, prints once
-    # per rank, and no user can act on it. Filtered by its text, so every other warning still shows.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    ignore_unactionable_warnings()
 
 
 class RunLogger(StepLogger):
@@ -47,6 +44,12 @@ class RunLogger(StepLogger):
         if record is not None and self._wandb is not None:
             numbers = {k: v for k, v in record.items() if k not in ("step", "total_steps", "time") and isinstance(v, (int, float))}
             self._wandb.log(numbers, step=step)
+        return record
+
+    def log_eval(self, step: int, result) -> dict | None:
+        record = super().log_eval(step, result)
+        if record is not None and self._wandb is not None:
+            self._wandb.log(result.scalars(), step=step)
         return record
 
     def close(self) -> None:

@@ -39,11 +39,13 @@ from .checkpoint_files import agree_on_write, finite_state, write_failure
 from .console import RunLogger, layout_line, startup_block
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
+from .evaluation import RunEvaluation
 from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_path
+from .preference_step import (DPOStep, build_pair_stream, load_reference, mean_metrics, pairs_in_step,
+                              reference_entry)
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -135,7 +137,10 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         stream = build_token_stream(
             stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
             cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
+            held_out=run.eval.held_out(layout.dp_size) if run.eval else 0,
         )
+    evaluation = RunEvaluation.build(run.eval, stream, stream_settings, tokenizer, layout, cache_files.writes, rank0,
+                                     text_config(model_config).vocab_size, pad_token_id(tokenizer)) if run.eval else None
 
     _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
@@ -185,13 +190,15 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
                                              "(another process on this GPU?), which the dry run's plan needs"))
+        if evaluation is not None:
+            logger.info("  " + evaluation.describe())
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
 
     if run.objective.reference == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
-        path = reference_path(model_settings, checked.rope, stream, stream_settings.cache_dir)
-        hit = dpo_step.precompute(engine, stream, path, cache_files.writes, device)
+        entry = reference_entry(model_settings, model_config, tokenizer, stream, stream_settings.cache_dir, layout)
+        hit = dpo_step.precompute(engine, stream, entry, cache_files.writes, device)
         if rank0:
             logger.info("DPO reference log-probabilities of %d sequences %s the token cache", len(stream),
                         "read from" if hit else "computed once, written to")
@@ -230,6 +237,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=output.tensorboard,
         wandb_run=_start_wandb(output.wandb_project, run.flags, out) if rank0 and output.wandb_project else None,
     ) as step_logger:
+        if evaluation is not None and run.eval.at_start:
+            evaluation(engine, start_step, step_logger)
         for step in range(start_step, steps):
             if step == start_step and rank0 and (model.deltanet or "").startswith("fla"):
                 logger.info("step %d: the first; fla autotunes its gated DeltaNet kernels in it (minutes on a fresh "
@@ -237,7 +246,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
+            # The lr this step trains with: engine.step() advances the schedule at the step's last micro step, after
+            # which get_last_lr() is the next step's.
+            lr = scheduler.get_last_lr()[0]
             losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
+            step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
@@ -245,7 +258,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
                     window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
-                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(
+                        engine, sample, device, window, step_pairs=step_pairs, step_sequences=global_batch)
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
@@ -268,11 +282,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             try:
                 record = step_logger.log(
                     step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
-                    lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
+                    lr=lr, offload_host_gb=model.checkpointing.host_bytes / 1e9,
                     # Unpacked windows are one causal stream each: no document count to show.
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
-                    **(mean_metrics(pair_metrics, layout) if dpo else {}),
+                    **(mean_metrics(pair_metrics, step_pairs, layout) if dpo else {}),
                 )
             except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
                 record, failed = None, f"step {step + 1}: " + write_failure(
@@ -300,6 +314,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                         f"--resume --output-dir {out} --lr <lower>.")
                 save_checkpoint(engine, out, done, stream, keep=output.keep_checkpoints, writes=run_files.writes,
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
+            if evaluation is not None and not stopping and run.eval.due(done, steps):
+                evaluation(engine, done, step_logger)
             if on_step is not None:
                 on_step(done, record)
             if stopping and done < steps:
