@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import math
 import shlex
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from ..mixers.explicit_attention import valid_head_groups
 from ..mixers.kernels import KERNELS

@@ -16,12 +16,12 @@ loop._apply_lr); without one, the run's own flags with a lower --lr, which start
 
 The guard's measure. Adam moves each trained weight by about lr a step (its first step by lr x sign(g) exactly), so
 the update is ||dw|| ~ lr sqrt(N) over N weights, nearly orthogonal to w: the norm grows by sqrt(1 + (lr / rms(w))^2)
-- 1 a step. Measured on the embedded tiny model (115k weights of rms 0.061, its norm layers' ones weighing in): lr
-3e-3, its default, grows the norm by 1.3e-3 at step 1 and at most 2.2e-3 a step; lr 1e-2 by at most 0.02, 3e-2 by
-0.13; 1e30 to inf (float32's norm overflows). A large model's weights are of rms ~0.02 (the initializer_range of
-Qwen and Llama configs): a fine-tune's lr 1e-5 grows its norm by ~1e-7 a step. The default bound, 1 (the norm
-doubled in one step), is 450 times the tiny default's growth and ~1e7 times a fine-tune's; it trips from
-lr ~ sqrt(3) x rms(w) (0.035 for weights of rms 0.02), where each step moves every weight by more than its own
+- 1 a step. Measured on the embedded tiny model (115k weights of rms 0.061, its norm layers' ones weighing in; 4 steps
+at --seq-len 256, warmup 1): lr 3e-3, its default, grows the norm by 1.3e-3 at step 1 and at most 2.2e-3 a step; lr
+1e-2 by at most 0.02, 3e-2 by 0.13; 1e30 to inf (float32's norm overflows). A large model's weights are of rms ~0.02
+(the initializer_range of Qwen and Llama configs): a fine-tune's lr 1e-5 grows its norm by ~1e-7 a step. The default
+bound, 1 (the norm doubled in one step), is 450 times the tiny default's growth and ~1e7 times a fine-tune's; it trips
+from lr ~ sqrt(3) x rms(w) (0.035 for weights of rms 0.02), where each step moves every weight by more than its own
 size. The growth is a lower bound of the update's size, ||dw|| / ||w|| (triangle inequality), measured without a copy
 of the weights: one pass over each rank's ZeRO-3 partition a step (in float32: a float64 norm would copy it), and one
 all-reduce of one number.
@@ -101,10 +101,12 @@ class StepGuard:
             raise self._stop(step, f"loss {loss}, grad_norm {grad_norm}: not finite", weights_led=True)
         grew = self.weights.grew()
         if grew:
-            raise self._stop(step, f"loss {loss:.4g}, grad_norm {grad_norm}, but {grew}", weights_led=False)
+            norm = "-" if grad_norm is None else f"{grad_norm:.4g}"
+            raise self._stop(step, f"loss {loss:.4g}, grad_norm {norm}, but {grew}", weights_led=False)
 
     def before_save(self, step: int, loss: float, grad_norm: float | None) -> None:
-        """Collective: the state about to be saved is finite (a cheap guard's bound of 0 lets inf through)."""
+        """Collective, at a save: the state about to be saved is finite (the guard reads the weights only, and not
+        with --max-weight-growth 0; the optimizer's moments can overflow too)."""
         if not finite_state(self.engine):
             raise self._stop(step, f"loss {loss}, grad_norm {grad_norm}, but the update left non-finite values in the "
                              "weights or optimizer state", weights_led=False)
@@ -123,15 +125,19 @@ class StepGuard:
                 failed = write_failure(ckpt_dir / LATEST, e, None)
         agree_on_write(failed)
         lr = self.run.optim.lr
+        # A value the command can carry as it is: a tenth, and no more than the model's default (from --lr 1e30, a
+        # tenth would blow up again).
         lower = min(lr / 10, TINY_DEFAULTS["lr"] if self.run.model.name in TINY_MODELS else TrainConfig.lr)
         message = f"step {step}: {why}; the run stops without saving this step. "
         if moved:
-            message += (f"The checkpoint of step {step - 1} led to this step (a resume from it meets the same numbers "
-                        f"again): `latest` now names {good}, the one before (step {step - 1}'s stays on disk, unused). ")
+            message += (f"The checkpoint of step {step - 1} led to this step (a resume from it meets the same "
+                        f"numbers again): `latest` now names {good}, the one before (step {step - 1}'s stays on disk, "
+                        "unused). ")
         if good is not None:
             return NonFiniteError(
-                message + f"Last good checkpoint: {ckpt_dir / good}. Lower --lr (now {lr:g}) and check the data; then "
-                f"continue from it with --resume --output-dir {self.out} --lr {lower:g} (a new --lr applies on resume).")
+                message + f"Last good checkpoint: {ckpt_dir / good}. Lower --lr (now {lr:g}) and check the data; "
+                f"then continue from it with --resume --output-dir {self.out} --lr {lower:g} (a new --lr applies on "
+                "resume).")
         held = _latest(self.out) is not None
         return NonFiniteError(
             message + "Last good checkpoint: none" + (f" (step {step - 1}'s led to this step)" if held else "")
