@@ -20,7 +20,8 @@ from .stream import TokenStream, WindowDocuments
 from .tokenize import DEFAULT_CHUNK_CHARS, TOKEN_DTYPE, pad_token_id, tokenize_documents, tokenizer_fingerprint
 
 # Bump when sample rendering, masks or packing change, so caches built by the old rules are not reused.
-SAMPLES_VERSION = 1
+# 2: chat rows rendered with their own tools and chat_template_kwargs.
+SAMPLES_VERSION = 2
 
 
 def build_token_stream(
