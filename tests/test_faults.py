@@ -6,6 +6,7 @@ several things.
 """
 
 import json
+import math
 import os
 import re
 import shlex
@@ -116,7 +117,11 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
     lrs = [r["lr"] for r in result["longer"]]
     assert len(lrs) == 6 and lrs[0] < result["killed_lrs"][1], (result["killed_lrs"], lrs)  # from step 2's lr, down
     assert all(b <= a for a, b in zip(lrs, lrs[1:])), lrs
-    assert abs(lrs[-1] - 0.1 * 3e-3) < 1e-12, lrs  # the floor (min_lr_ratio 0.1) at the new last step
+    # Each logged lr is the one its step trained with (issue 40): step 3's is the killed run's step 3's (no jump), and
+    # the decay spans the 6 resumed steps down to the floor (min_lr_ratio 0.1) after the last, 5/6 of the way at it.
+    floor = 0.1 * 3e-3
+    assert abs(lrs[0] - result["killed_lrs"][2]) < 1e-12, (result["killed_lrs"], lrs)
+    assert abs(lrs[-1] - (floor + (lrs[0] - floor) * 0.5 * (1 + math.cos(math.pi * 5 / 6)))) < 1e-12, lrs
     metrics = [json.loads(line) for line in (tmp_path / "longer" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 9))  # step 3 of the killed run replaced, not repeated
     run = json.loads((tmp_path / "longer" / "run.json").read_text())
