@@ -24,7 +24,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SETUP = ("pip ", "export ", "printf ", "cd ", "mkdocs ", "python -m pytest", "hf download")
-OUR_ENTRIES = {"examples/train_1m.py": "train", "-m ulysses_lc.train": "train", "ulysses-lc-train": "train"}
+OUR_ENTRIES = {"examples/train_1m.py": "train", "-m ulysses_lc.train": "train", "ulysses-lc-train": "train",
+               "-m ulysses_lc.eval": "eval", "ulysses-lc-eval": "eval"}
 RUN_TIMEOUT_S = 600
 
 
@@ -158,10 +159,11 @@ def test_gpu_command_flags_are_the_tools(block, command):
     ours = our_args(command)
     if ours is None:
         return  # a launcher line of another tool's (srun, mpirun): nothing of ours to check
-    _, args = ours
-    from ulysses_lc.train import build_parser
+    tool, args = ours
+    from ulysses_lc.eval.cli import build_parser as eval_parser
+    from ulysses_lc.train import build_parser as train_parser
 
     try:
-        build_parser().parse_args(args)
+        {"train": train_parser, "eval": eval_parser}[tool]().parse_args(args)
     except SystemExit as e:
-        pytest.fail(f"{block.page}:{block.line}: `{command}` has flags `ulysses-lc-train --help` does not list ({e})")
+        pytest.fail(f"{block.page}:{block.line}: `{command}` has flags `ulysses-lc-{tool} --help` does not list ({e})")
