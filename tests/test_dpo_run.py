@@ -147,6 +147,47 @@ def test_weights_digest_reads_a_file_once_and_sees_every_rewrite(tmp_path):
     assert weights_digest("tiny", 0) != weights_digest("tiny", 1)
 
 
+def test_packed_pairs_weigh_as_in_trls_batch_over_accumulation_and_dp(tmp_path):
+    # --packing puts one to several pairs into a sequence; global batch 4 on 2 ranks at sp 1 is 2 DP groups x 2 micro
+    # steps. TRL's loss is the mean over its batch's pairs, each pair weighing the same: the first step's gradient
+    # (its norm, which DeepSpeed logs before clipping) must be TRL's on the same pairs, within 1e-4 relative (the SP
+    # model's loss and gradients match plain transformers' to 1e-5 / 1e-4, test_preference.py). Both losses are ln 2
+    # (the reference is a copy of the policy); the gradient is not 0.
+    import datasets
+    import torch
+    from accelerate.state import AcceleratorState
+    from trl import DPOConfig, DPOTrainer
+
+    from ulysses_lc.data import parse_source
+    from ulysses_lc.data.pairs import PairStream
+    from ulysses_lc.tiny import tiny_tokenizer
+    from ulysses_lc.train.loading import load_model
+    from ulysses_lc.train.preflight import preflight
+    from ulysses_lc.train.settings import RunSettings
+
+    cfg = dpo_config(tmp_path, packing=True, sp_size=1, global_batch=4, steps=1, export=False)
+    tokenizer = tiny_tokenizer()
+    stream = PairStream.build(parse_source(cfg.data), tokenizer, cfg.seq_len, packing=True)
+    counts = [len(stream.sample(i)) for i in range(4)]
+    assert len(set(counts)) > 1, counts  # pairs a sequence differ: a mean per sequence would weigh them unevenly
+    (record,) = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+
+    rows = [json.loads(line) for line in open(cfg.data)][: sum(counts)]  # the step's pairs: packed in order
+    config = preflight(RunSettings(replace(cfg, output_dir=str(tmp_path / "trl"))), 2).model_config
+    policy, ref = (load_model("tiny", config, torch.float32, cfg.seed, torch.device("cpu"), {}) for _ in range(2))
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], max_length=None,
+                     beta=cfg.dpo_beta)
+    trainer = DPOTrainer(model=policy.train(), ref_model=ref, args=args, processing_class=tokenizer,
+                         train_dataset=datasets.Dataset.from_list(rows))
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i] for i in
+                                                                       range(len(rows))]))
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in trainer.model.parameters() if p.grad is not None))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert record["loss"] == pytest.approx(loss.item(), rel=1e-5) and loss.item() == pytest.approx(np.log(2))
+    assert record["grad_norm"] == pytest.approx(norm.item(), rel=1e-4), (record["grad_norm"], norm.item())
+
+
 def refused_worker(rank, world_size, cfg):
     try:
         train(cfg)

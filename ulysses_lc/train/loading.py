@@ -139,11 +139,12 @@ def weights_digest(name: str, seed: int, memo_dir: Path | None = None) -> str:
     file's name and the sha256 of its bytes (WEIGHT_SUFFIXES, top level, as from_pretrained reads them; every file
     where none matches). Two different sets of weights sharing a digest would take a sha256 collision. What it costs:
       - a hub file is a link to a blob named by its content hash (checked by huggingface_hub on download): not read;
-      - a local file is read once (about 1.5 GB/s on one core: a minute for 70B parameters in bf16); memo_dir keeps
-        its hash under its path, inode, size, mtime and ctime, so a later run or resume reads nothing. Any write
-        gives a file a new ctime, which no tool sets back (cp -p and rsync -t set the mtime), so a file rewritten
-        since is hashed again (one rewritten within the clock tick, a few ms, of the write before our read would
-        not be; no checkpoint is written that fast).
+      - a local file is read once (sha256 runs at about 1.5 GB/s on a core with SHA extensions, or the disk's speed
+        where slower: a minute or two for 70B parameters in bf16); memo_dir keeps its hash under its path, inode,
+        size, mtime and ctime, so a later run or resume reads nothing. Any write gives a file a new ctime, which no
+        tool sets back (cp -p and rsync -t set the mtime), so a file rewritten since is hashed again (one rewritten
+        within the clock tick, a few ms, of the write before our read would not be; no checkpoint is written that
+        fast).
     """
     from ..tiny import TINY_MODELS
 

@@ -42,7 +42,8 @@ from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_entry
+from .preference_step import (DPOStep, build_pair_stream, load_reference, mean_metrics, pairs_in_step,
+                              reference_entry)
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -237,6 +238,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             # which get_last_lr() is the next step's.
             lr = scheduler.get_last_lr()[0]
             losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
+            step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
@@ -244,7 +246,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
                     window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
-                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(
+                        engine, sample, device, window, step_pairs=step_pairs, step_sequences=global_batch)
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
@@ -271,7 +274,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     # Unpacked windows are one causal stream each: no document count to show.
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
-                    **(mean_metrics(pair_metrics, layout) if dpo else {}),
+                    **(mean_metrics(pair_metrics, step_pairs, layout) if dpo else {}),
                 )
             except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
                 record, failed = None, f"step {step + 1}: " + write_failure(

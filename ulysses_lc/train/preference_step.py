@@ -11,6 +11,10 @@ Each sequence is one pair (or, with --packing, as many whole pairs as fit) laid 
             the data and the settings (`reference_entry`) and read back by later runs and resumes: no second model
             and no reference forward per step;
   auto      adapters with --lora-r, else copy.
+Weighting: every pair of an optimizer step weighs the same, as in TRL's mean over its batch, however --packing
+puts them into sequences and the step spreads those over micro steps and DP groups: a sequence's loss is the sum of
+its pairs' losses x global_batch / (the step's pairs), since DeepSpeed then divides by global_batch (the mean over
+micro steps, the gradient's over DP groups). Without --packing, one pair a sequence, that is each pair's loss.
 The step's metrics: `loss` is the DPO loss; reward_margin, reward_accuracy, reward_chosen, reward_rejected are
 TRL's rewards (beta x the log-ratio against the reference), means over the step's pairs.
 """
@@ -76,6 +80,12 @@ def load_reference(run, checked, device, layout: ParallelLayout):
     return engine
 
 
+def pairs_in_step(stream: PairStream, position: int, global_batch: int) -> int:
+    """The pairs of the optimizer step whose sequences start at `position`: its global_batch sequences, over every
+    micro step and DP group (the same count on every rank)."""
+    return sum(len(stream.sample(position + i)) for i in range(global_batch))
+
+
 class DPOStep:
     """One micro step's DPO loss for a sequence of pairs: (loss, metrics, completion tokens, documents, padding)."""
 
@@ -117,15 +127,20 @@ class DPOStep:
             partial.replace(entry.path)  # whole or absent: a killed write leaves no half file under the name
         return False
 
-    def __call__(self, engine, pairs, device, window: int | None = None):
+    def __call__(self, engine, pairs, device, window: int | None = None, step_pairs: int | None = None,
+                 step_sequences: int = 1):
+        """step_pairs, step_sequences: the optimizer step's pairs and sequences (global_batch), for the weighting
+        (module docstring); None: this sequence's pairs, a step of one. The metrics are sums over the pairs, for
+        `mean_metrics`."""
         batch = self.batch(pairs, device)
         if self.precomputed is not None:
             ref_logps = self.precomputed[window].to(device)
         else:
             ref_logps = reference_log_probs(engine, batch, self.reference)
-        loss, metrics = self.loss(engine(**batch.as_kwargs()), ref_logps, batch)
+        loss, metrics = self.loss(engine(**batch.as_kwargs()), ref_logps, batch)  # means over this sequence's pairs
+        loss = loss * (len(pairs) * step_sequences / (step_pairs or len(pairs)))
         completion = sum(batch.chosen_tokens) + sum(batch.rejected_tokens)
-        return (loss, {METRICS[k]: v for k, v in metrics.items() if k in METRICS},
+        return (loss, {METRICS[k]: v * len(pairs) for k, v in metrics.items() if k in METRICS},
                 torch.tensor(completion, device=device), batch.n_documents, self.seq_len - batch.batch.seq_len)
 
 
@@ -157,15 +172,15 @@ def reference_entry(model, model_config, tokenizer, stream: PairStream, cache_di
     return ReferenceEntry(cache_dir / name, key)
 
 
-def mean_metrics(per_micro: list[dict], layout: ParallelLayout) -> dict:
-    """The step's metrics: means over its micro steps and DP groups (the same on every rank of an SP group)."""
+def mean_metrics(per_micro: list[dict], step_pairs: int, layout: ParallelLayout) -> dict:
+    """The step's metrics, means over its pairs (as TRL's over its batch) from each micro step's sums: over the micro
+    steps and DP groups (the same on every rank of an SP group)."""
     keys = list(per_micro[0])
-    values = torch.stack([torch.stack([m[k].float() for k in keys]) for m in per_micro]).mean(0)
+    values = torch.stack([torch.stack([m[k].float() for k in keys]) for m in per_micro]).sum(0)
     if layout.dp_size > 1:
         torch.distributed.all_reduce(values, group=layout.dp_group)
-        values /= layout.dp_size
-    return dict(zip(keys, values.tolist()))
+    return dict(zip(keys, (values / step_pairs).tolist()))
 
 
 __all__ = ["DPOStep", "METRICS", "ReferenceEntry", "build_pair_stream", "check_pair_source", "load_reference",
-           "mean_metrics", "reference_entry"]
+           "mean_metrics", "pairs_in_step", "reference_entry"]
