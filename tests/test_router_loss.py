@@ -1,0 +1,120 @@
+"""The MoE routers' load-balancing loss under SP: sp 1, 2 and 4 against plain transformers, tiled MLP on and off.
+
+Reference: plain transformers with output_router_logits=True: `outputs.loss` (the token cross-entropy plus
+router_aux_loss_coef x load_balancing_loss_func over every MoE layer) and its backward, no ulysses_lc code.
+Cases, one sequence each:
+  plain       40 tokens, the first 5 labels ignored (an ignored prompt is still routed, and counted);
+  padded      31 tokens then 6 of padding (attention_mask 0, labels ignored), which transformers leaves out of the
+              router loss; 37 is no multiple of 2 or 4, so shard_batch pads as well;
+  packed      documents of 13, 17 and 10 tokens, positions restarting: transformers' forward over the packed row
+              (with use_cache=False its masks keep the documents apart; a cache turns that detection off);
+  packed_pad  documents of 13 and 17, then a padding segment of 7 (the main job's packed windows): transformers
+              over the 30 tokens of the documents alone.
+gpt-oss and the gated DeltaNet hybrids take plain and padded only: transformers' own forward over a packed row
+lets their documents read each other (gpt-oss: the second document's logits 0.14 off its forward alone, on full
+and sliding layers alike; the hybrids' torch DeltaNet carries its state across), where ulysses_lc keeps them apart.
+Levers: none; every lever but the tiled MLP (checkpointed, offloaded layers: the routers' sums cross a recompute);
+every lever with the tiled MLP in 3 tiles.
+router_aux_loss_coef 0.5: the default 0.001 leaves the router term below the tolerances (a dropped term would pass).
+Tolerances (fp32): loss 1e-5 relative, every gradient 1e-4 relative norm (test_sp_parity's), the routers' included.
+One launch of 4 gloo ranks per family runs sp 4, sp 2 (2 DP groups) and sp 1 (4), each DP group a case of its own;
+a gradient is the sum over its SP group / sp, what ZeRO-3's average over all ranks makes of it (layout.py).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_shared
+from tests.models import VOCAB, build
+from tests.test_sp_parity import assert_close
+from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
+from ulysses_lc.levers.tiled_mlp import plain_parameter_name
+
+MOE = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+NONE = dict(chunked_loss=False, tiled_mlp=False, checkpointing=False, offload=False, efficient_norm=False)
+UNTILED = dict(chunked_loss=4, tiled_mlp=False, checkpointing=True, offload=True, plan=MemoryPlan(2, 0, 1))
+LEVER_SETS = {"none": NONE, "untiled": UNTILED, "tiled": dict(UNTILED, tiled_mlp=3)}
+
+
+def _cases(packed: bool) -> list[dict]:
+    """Each case: (shard_batch's arguments, transformers' arguments) for one sequence."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=g)
+    plain = ids.clone()
+    plain[:, :5] = IGNORE_INDEX
+    padded_ids, padded = ids[:, :37].clone(), ids[:, :37].clone()
+    mask = torch.ones(1, 37, dtype=torch.long)
+    mask[:, 31:], padded[:, 31:], padded_ids[:, 31:] = 0, IGNORE_INDEX, 0
+    cases = [
+        ("plain", dict(input_ids=ids, labels=plain), dict(input_ids=ids, labels=plain)),
+        ("padded", dict(input_ids=padded_ids, labels=padded, attention_mask=mask),
+         dict(input_ids=padded_ids, labels=padded, attention_mask=mask)),
+    ]
+    if packed:
+        docs = ids.clone()
+        docs[:, [13, 30]] = IGNORE_INDEX  # a document's first label: the one before it is not predicted across
+        positions = torch.cat([torch.arange(n) for n in (13, 17, 10)])[None]
+        pad_mask = torch.ones(1, 37, dtype=torch.long)
+        pad_mask[:, 30:] = 0
+        pad_labels = docs[:, :37].clone()
+        pad_labels[:, 30:] = IGNORE_INDEX
+        cases += [
+            ("packed", dict(input_ids=ids, labels=docs, document_lengths=[13, 17, 10]),
+             dict(input_ids=ids, labels=docs, position_ids=positions, use_cache=False)),
+            ("packed_pad", dict(input_ids=ids[:, :37], labels=pad_labels, document_lengths=[13, 17, 7],
+                                attention_mask=pad_mask),
+             dict(input_ids=ids[:, :30], labels=docs[:, :30], position_ids=positions[:, :30], use_cache=False)),
+        ]
+    return cases
+
+
+def reference(family, kwargs):
+    model = build(family, **MOE)
+    out = model(**kwargs)
+    assert out.aux_loss is not None and out.aux_loss.item() > 0  # transformers adds the router term
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def router_worker(rank, world_size, family, cases):
+    results = []
+    for sp in (1, 2, 4):
+        layout = ParallelLayout.build(sp)
+        for lever_name, levers in LEVER_SETS.items():
+            for round_ in range(-(-len(cases) // layout.dp_size)):
+                index = (round_ * layout.dp_size + layout.dp_rank) % len(cases)
+                loss, grads = _loss_and_grads(family, layout, levers, cases[index][1])
+                if layout.sp_rank == 0:
+                    results.append((sp, lever_name, index, loss, grads))
+    return results
+
+
+def _loss_and_grads(family, layout, levers, batch_kwargs):
+    model = SequenceParallelCausalLM(build(family, **MOE), layout, min_offload_bytes=0, **levers)
+    loss = model(**shard_batch(layout=layout, **batch_kwargs).as_kwargs())
+    loss.backward()
+    grads = {}
+    for name, p in model.model.named_parameters():
+        if p.grad is not None:
+            if layout.sp_size > 1:
+                dist.all_reduce(p.grad, group=layout.sp_group)
+            grads[plain_parameter_name(name)] = p.grad / layout.sp_size
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next"])
+def test_router_loss_equals_transformers_at_sp_1_2_4(family):
+    cases = _cases(packed=family in ("qwen3_moe", "mixtral"))
+    refs = [reference(family, ref_kwargs) for _, _, ref_kwargs in cases]
+    seen = set()
+    for rank_results in run_shared(router_worker, 4, family, cases):
+        for sp, lever_name, index, loss, grads in rank_results:
+            where = (sp, lever_name, cases[index][0])
+            assert any("gate" in n or "router" in n for n in grads)  # the routers' gradients are compared
+            try:
+                assert_close(loss, grads, *refs[index])
+            except AssertionError as e:
+                raise AssertionError(f"sp {sp}, levers {lever_name}, case {where[2]}: {e}") from None
+            seen.add(where)
+    assert seen == {(sp, lever, case[0]) for sp in (1, 2, 4) for lever in LEVER_SETS for case in cases}
