@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tests._dist import run_shared
 from tests.models import VOCAB, build
-from tests.test_sp_parity import assert_close
+from tests.test_sp_parity import LOSS_RTOL, assert_close
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
 from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
@@ -118,3 +118,76 @@ def test_router_loss_equals_transformers_at_sp_1_2_4(family):
                 raise AssertionError(f"sp {sp}, levers {lever_name}, case {where[2]}: {e}") from None
             seen.add(where)
     assert seen == {(sp, lever, case[0]) for sp in (1, 2, 4) for lever in LEVER_SETS for case in cases}
+
+
+def switch_worker(rank, world_size):
+    layout = ParallelLayout.build(world_size)
+    hooks = {}
+    for name, overrides in (("off", {}), ("on", MOE)):
+        model = SequenceParallelCausalLM(build("qwen3_moe", **overrides), layout, **NONE)
+        routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        hooks[name] = (model.router_loss is None, sum(len(r._forward_hooks) for r in routers))
+    batch = shard_batch(torch.arange(8), layout)
+    try:  # preference training (documents) does not add the router loss: refused, not dropped
+        model(**batch.as_kwargs(), documents=1)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    model.undo()
+    return hooks, sum(len(r._forward_hooks) for r in routers), refused
+
+
+def test_router_loss_switch():
+    # output_router_logits off (every config's default): no hook, no sums, the loss as before. On: one hook per router,
+    # gone with undo(); the preference loss refuses it.
+    hooks, after_undo, refused = run_shared(switch_worker, 4)[0]
+    assert hooks == {"off": (True, 0), "on": (False, 2)} and after_undo == 0
+    assert "output_router_logits=False" in refused
+
+
+def test_shard_batch_marks_padding():
+    # 7 tokens, the last 2 the caller's padding, over sp 2 (padded to 8): rank 1 holds 2 tokens, then 2 of padding.
+    mask = torch.tensor([1, 1, 1, 1, 1, 0, 0])
+    batches = [shard_batch(torch.arange(7), ParallelLayout(2, 2, r), attention_mask=mask) for r in (0, 1)]
+    assert batches[0].token_mask.tolist() == [[True] * 4]
+    assert batches[1].token_mask.tolist() == [[True, False, False, False]]
+    assert batches[1].as_kwargs()["token_mask"] is batches[1].token_mask
+    assert shard_batch(torch.arange(8), ParallelLayout(2, 2, 0)).token_mask is None  # no padding, nothing sent
+    assert shard_batch(torch.arange(7), ParallelLayout(2, 2, 0)).token_mask.tolist() == [[True] * 4]
+    with pytest.raises(ValueError, match="pad on the right"):
+        shard_batch(torch.arange(7), ParallelLayout(1, 1), attention_mask=torch.tensor([0, 1, 1, 1, 1, 1, 1]))
+
+
+def test_a_packed_window_marks_its_padding_segment():
+    from ulysses_lc.data.stream import Sample
+
+    ids = torch.arange(10)
+    sample = Sample(ids, ids, [4, 3, 3], num_documents=2, padding_tokens=3)
+    assert sample.attention_mask.tolist() == [1] * 7 + [0] * 3
+    assert Sample(ids, ids, None, 1, 0).attention_mask is None
+
+
+def trainer_worker(rank, world_size, out, rows):
+    import datasets
+
+    from tests.test_hf_trainer import training_args
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
+
+    ds = datasets.Dataset.from_dict(rows)
+    trainer = UlyssesTrainer(model=build("qwen3_moe", **MOE), args=training_args(out, 1), train_dataset=ds,
+                             eval_dataset=ds, sp_size=2, levers={"tiled_mlp": False})
+    return trainer.evaluate()["eval_loss"]
+
+
+def test_trainer_loss_holds_the_router_loss(tmp_path):
+    # The Trainer path (tiled MLP off, the case that trained silently without the router loss): its eval loss is
+    # transformers' outputs.loss with the router term, padding (attention_mask 0) left out of it as transformers does.
+    (_, plain, _), (_, padded, _) = _cases(packed=False)[:2]
+    rows = {"input_ids": [plain["input_ids"][0, :37].tolist(), padded["input_ids"][0].tolist()],
+            "labels": [plain["labels"][0, :37].tolist(), padded["labels"][0].tolist()],
+            "attention_mask": [[1] * 37, padded["attention_mask"][0].tolist()]}
+    model = build("qwen3_moe", **MOE).eval()
+    with torch.no_grad():
+        ref = sum(model(**{k: torch.tensor([v[i]]) for k, v in rows.items()}).loss.item() for i in range(2)) / 2
+    for loss in run_shared(trainer_worker, 2, str(tmp_path), rows, kind="trainer"):
+        assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
