@@ -11,6 +11,7 @@ from tests._dist import run_shared
 from ulysses_lc.tiny import tiny_model_config
 from ulysses_lc.train import EXPORT_DIR, TrainConfig, parse_args, train
 from ulysses_lc.model import SequenceParallelCausalLM
+from ulysses_lc.train.schedule import Schedule
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: fail fast instead of retrying the network
 
@@ -154,6 +155,19 @@ EXPECTED = {
     "model_offline": "--model tiny",
     "model_bad_name": "--model tiny",
 }
+
+
+def test_logged_lr_is_the_one_the_step_used(tmp_path):
+    # Warmup over 2 steps, then a cosine decay to 0: the logged lr of each step is the schedule's at that step, not
+    # the next step's (which the engine's step has already moved the scheduler to): lr/2 on the first, lr/2 on the
+    # last (the next step's would be 0).
+    cfg = tiny_config(tmp_path, steps=4, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.0, seq_len=256,
+                      export=False)
+    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+    schedule = Schedule(cfg)
+    expected = [cfg.lr * schedule(step) for step in range(cfg.steps)]
+    assert expected == [cfg.lr / 2, cfg.lr, cfg.lr, cfg.lr / 2]
+    assert [r["lr"] for r in records] == expected
 
 
 def test_bad_input_refused_before_heavy_work(tmp_path):

@@ -264,7 +264,8 @@ class SequenceParallelCausalLM(nn.Module):
         finally:
             self.attention.expected_bounds = None
 
-    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None, token_mask=None):
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None, per_token=False,
+                token_mask=None):
         """The sequence's loss, the same on every SP rank: the mean token cross-entropy over the valid labels of
         the whole sequence, plus, where config.output_router_logits is on (MoE), router_aux_loss_coef x the
         routers' load-balancing loss of the whole sequence, as transformers' `outputs.loss` (objectives/
@@ -276,9 +277,12 @@ class SequenceParallelCausalLM(nn.Module):
             count; None: every token counts.
         documents: an int (preference training): the [documents] summed log-probabilities of the first packed
             documents' labels instead, the same on every SP rank (preference.py).
+        per_token: (evaluation, under no_grad) this rank's slice scored row by row (`token_scores`), no router loss.
         """
         if labels is None:
             raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
+        if per_token:
+            return self.token_scores(self.hidden_states(input_ids, position_ids, cu_seqlens), labels)
         if documents is not None:
             if self.router_loss is not None:
                 raise ValueError("config.output_router_logits=True: the preference loss does not add the MoE router's "
@@ -302,6 +306,31 @@ class SequenceParallelCausalLM(nn.Module):
             self.last_aux_loss = aux_loss.detach()
             loss = loss + self.router_loss.coef * aux_loss
         return loss
+
+    def token_scores(self, hidden_bse: torch.Tensor, labels_bs: torch.Tensor):
+        """(loss_bs fp32, correct_bs bool): each row's cross-entropy and whether its label is the argmax, on this
+        rank's slice, 0 and False where the label is IGNORE_INDEX; no gradient. Only the labelled rows go through the
+        head (a passkey scores a handful of rows of a long sequence): selecting them reads their count on the host,
+        a sync an evaluation can afford. Every rank calls the head once, with or without rows, as ZeRO-3's gather of
+        its weight needs."""
+        with torch.no_grad():
+            valid_t = labels_bs.reshape(-1) != IGNORE_INDEX
+            rows = valid_t.nonzero().squeeze(1)
+            hidden_re = hidden_bse.reshape(-1, hidden_bse.shape[-1]).index_select(0, rows)
+            labels_r = labels_bs.reshape(-1).index_select(0, rows)
+            head = self.causal_lm.get_output_embeddings()
+            if isinstance(head, ChunkedLossHead):
+                loss_r, correct_r = head(hidden_re, labels_r, per_token=True)
+            else:
+                logits_rv, cap = head(hidden_re).float(), final_logit_softcap(self.config)
+                if cap:
+                    logits_rv = torch.tanh(logits_rv / cap) * cap
+                loss_r = F.cross_entropy(logits_rv, labels_r, reduction="none")
+                correct_r = logits_rv.argmax(dim=-1) == labels_r
+            loss_t = torch.zeros(valid_t.shape, dtype=torch.float32, device=hidden_bse.device)
+            correct_t = torch.zeros(valid_t.shape, dtype=torch.bool, device=hidden_bse.device)
+            loss_t[rows], correct_t[rows] = loss_r.float(), correct_r
+            return loss_t.view(labels_bs.shape), correct_t.view(labels_bs.shape)
 
     def undo(self) -> None:
         """Give the wrapped model back as it was (attention implementation and any installed lever)."""

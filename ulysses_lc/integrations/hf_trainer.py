@@ -138,10 +138,14 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
     if sft_loss and getattr(args, "loss_type", "nll") != "nll":
         raise ValueError(f"loss_type={args.loss_type!r} weighs tokens by their probability from full logits; "
                          "ulysses_lc's chunked loss is the plain NLL: set loss_type='nll'.")
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-        if getattr(args, key, 1) != 1:
-            raise ValueError(f"{key}={getattr(args, key)}: ulysses_lc trains one whole sequence per device batch "
-                             "(SP ranks share it); set it to 1 and use gradient_accumulation_steps for more.")
+    # Evaluation changes no weight and each sequence is evaluated whole either way, so the eval batch (8 by
+    # TrainingArguments' default, which a script without an eval set never thinks of) is set to one sequence.
+    if getattr(args, "per_device_eval_batch_size", 1) != 1:
+        args.per_device_eval_batch_size = 1
+    if getattr(args, "per_device_train_batch_size", 1) != 1:
+        raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size}: ulysses_lc trains one whole "
+                         "sequence per device batch (SP ranks share it); set it to 1 and use gradient_accumulation_steps "
+                         "for more.")
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         raise ValueError("activation_checkpointing (gradient_checkpointing) is on: ulysses_lc checkpoints (and "
                          "offloads) layers itself, as its memory plan says; set activation_checkpointing=False "

@@ -13,6 +13,7 @@ from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
 from ..plan.sizing import GB, MATMUL_FLOPS_PER_S, attention_flops_per_s
 from ..levers.yarn import describe_rope_scaling
+from ..parallel.distributed import ignore_unactionable_warnings
 
 
 def quiet_warnings(rank: int | None = None) -> None:
@@ -23,11 +24,7 @@ def quiet_warnings(rank: int | None = None) -> None:
     """
     if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
         warnings.simplefilter("ignore")
-    # DeepSpeed's ZeRO-3 (0.17-0.20) gathers and reduce-scatters parameters through torch.distributed calls that
-    # torch 2.11+ deprecates; the FutureWarning names torch's wrapper (c10d_logger.py) as its source, prints once
-    # per rank, and no user can act on it. Filtered by its text, so every other warning still shows.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    ignore_unactionable_warnings()
 
 
 class RunLogger(StepLogger):

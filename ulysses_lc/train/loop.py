@@ -42,7 +42,8 @@ from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_path
+from .preference_step import (DPOStep, build_pair_stream, load_reference, mean_metrics, pairs_in_step,
+                              reference_entry)
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -189,8 +190,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     estimate.check()
 
     if run.objective.reference == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
-        path = reference_path(model_settings, checked.rope, stream, stream_settings.cache_dir)
-        hit = dpo_step.precompute(engine, stream, path, cache_files.writes, device)
+        entry = reference_entry(model_settings, model_config, tokenizer, stream, stream_settings.cache_dir, layout)
+        hit = dpo_step.precompute(engine, stream, entry, cache_files.writes, device)
         if rank0:
             logger.info("DPO reference log-probabilities of %d sequences %s the token cache", len(stream),
                         "read from" if hit else "computed once, written to")
@@ -236,7 +237,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
+            # The lr this step trains with: engine.step() advances the schedule at the step's last micro step, after
+            # which get_last_lr() is the next step's.
+            lr = scheduler.get_last_lr()[0]
             losses, aux_losses, trained, documents, padding, pair_metrics = [], [], 0, 0, 0, []
+            step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
@@ -244,7 +249,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
                     window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
-                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(
+                        engine, sample, device, window, step_pairs=step_pairs, step_sequences=global_batch)
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
@@ -271,11 +277,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             try:
                 record = step_logger.log(
                     step + 1, loss=loss_value, step_time_s=step_time, grad_norm=grad_norm,
-                    lr=scheduler.get_last_lr()[0], offload_host_gb=model.checkpointing.host_bytes / 1e9,
+                    lr=lr, offload_host_gb=model.checkpointing.host_bytes / 1e9,
                     # Unpacked windows are one causal stream each: no document count to show.
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
-                    **(mean_metrics(pair_metrics, layout) if dpo else {}),
+                    **(mean_metrics(pair_metrics, step_pairs, layout) if dpo else {}),
                     **({"aux_loss": aux_value} if aux_losses else {}),
                 )
             except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
