@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tests._dist import run_shared
 from tests.models import VOCAB, build
-from ulysses_lc import IGNORE_INDEX, ParallelLayout, SequenceParallelCausalLM
+from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM
 from ulysses_lc.data import Sample, build_token_stream
 from ulysses_lc.eval import Buckets, EvalResult, build_haystacks, compare_lines, evaluate, plot
 from ulysses_lc.eval.data import eval_windows
@@ -59,12 +59,18 @@ def _reference_rows(model, sequences):
 
 def _eval_worker(rank, world_size, family, sequences, haystacks):
     results = {}
-    for sp, levers in ((2, {}), (1, {}), (2, dict(chunked_loss=False, tiled_mlp=False))):
+    # Every lever that assumes a backward armed: each layer checkpointed, offloaded down to the smallest tensor,
+    # keeping its attention output. Evaluation in eval mode and under no_grad leaves them all unused.
+    backward_levers = dict(plan=MemoryPlan.everything_checkpointed(2, keep_attention=True), min_offload_bytes=0)
+    for sp, levers in ((2, backward_levers), (1, {}), (2, dict(chunked_loss=False, tiled_mlp=False))):
         layout = ParallelLayout.build(sp)
         model = SequenceParallelCausalLM(build(family), layout, **levers)
         result = evaluate(model, sequences, haystacks, buckets=4, trained_length=TRAINED, vocab_size=VOCAB)
         assert model.training  # back in the mode it was in
-        results[f"sp{sp}" + ("_plain_head" if levers else "")] = result
+        held = model.checkpointing
+        assert (held.host_bytes, held.host_pool_bytes, held.context.running(0), held.context.running(1)) == \
+            (0, 0, None, None)
+        results[f"sp{sp}" + ("_plain_head" if "chunked_loss" in levers else "")] = result
     return results
 
 

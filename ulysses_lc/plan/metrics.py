@@ -275,6 +275,24 @@ class StepLogger:
             self._tb.flush()
         return record
 
+    def log_eval(self, step: int, result) -> dict | None:
+        """Record an evaluation after step `step` (0: before the first): its line, a metrics.jsonl record
+        {"step", "time", "eval"}, TensorBoard scalars under eval/. result: an eval.EvalResult. Rank 0 only."""
+        if not self.enabled:
+            return None
+        record = {"step": step, "time": time.time(), "eval": result.to_dict()}
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._bar is not None:
+            self._bar.write(result.line(step), file=self.stream)
+        else:
+            print(result.line(step), file=self.stream, flush=True)
+        if self._tb is not None:
+            for name, value in result.scalars().items():
+                self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+        return record
+
     def _drop_after(self, step: int) -> None:
         """A resumed run replays the steps after its checkpoint: the lines a killed run wrote for them go, so that
         metrics.jsonl holds each step once (the kept lines are rewritten through a new file, then renamed)."""

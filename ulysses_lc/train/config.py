@@ -17,6 +17,7 @@ from ..mixers.explicit_attention import valid_head_groups
 from ..mixers.kernels import KERNELS
 from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
+from .evaluation import EVAL_PASSKEY_DEPTHS, check_eval_flags
 from .schedule import SCHEDULES
 
 TINY = "tiny"
@@ -103,6 +104,17 @@ class TrainConfig:
     dpo_loss: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
     dpo_reference: str = "auto"  # auto | copy | adapters | precomputed (train/preference_step.py)
+    # The evaluation at --seq-len (train/evaluation.py), on when any of eval_data, eval_every, eval_at_start is set.
+    eval_data: str | None = None  # None: the held-out windows right after those the run reads from --data
+    eval_every: int = 0  # steps between evaluations; 0: at the end only
+    eval_at_start: bool = False  # also before the first step
+    eval_sequences: int | None = None  # windows of eval text; None: one per DP group
+    eval_passkey_depths: str = EVAL_PASSKEY_DEPTHS  # comma-separated shares in [0, 1]; "none": no passkey
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates (every --eval-every steps, and always at the end)."""
+        return self.eval_data is not None or self.eval_every > 0 or self.eval_at_start
 
     def check(self) -> None:
         """ValueError naming the flag and the fix for a setting no run can use."""
@@ -152,6 +164,7 @@ class TrainConfig:
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1).")
         self._check_method()
+        check_eval_flags(self.eval_every, self.eval_sequences, self.eval_passkey_depths, self.evaluates, self.method)
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
@@ -325,6 +338,19 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT (a preemption, a time limit, Ctrl-C) or the launcher's end, every rank "
                         "stops at the next step boundary and saves a checkpoint; past this many seconds it exits "
                         f"without one (default {d.stop_grace_s:g}: launchers SIGKILL their ranks 30 s after SIGTERM)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="evaluate every N steps at --seq-len, in the training engine (loss over the sequence and by "
+                        "position bucket, passkey retrieval by depth), and always at the end (default 0: only at the "
+                        "end, when --eval-data or --eval-at-start asks for an evaluation)")
+    p.add_argument("--eval-data", help="the evaluation text, any source --data takes (default: the held-out windows "
+                                       "right after those the run reads from --data, which training never reads)")
+    p.add_argument("--eval-at-start", action="store_true", default=d.eval_at_start,
+                   help="also evaluate before the first step: the model as loaded")
+    p.add_argument("--eval-sequences", type=int,
+                   help="windows of evaluation text (default one per DP group); each is one forward at --seq-len")
+    p.add_argument("--eval-passkey-depths", default=d.eval_passkey_depths,
+                   help="where the passkey is hidden, shares of the haystack in [0, 1], one forward each "
+                        "(default %(default)s); 'none': no passkey")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 

@@ -45,6 +45,12 @@ class RunLogger(StepLogger):
             self._wandb.log(numbers, step=step)
         return record
 
+    def log_eval(self, step: int, result) -> dict | None:
+        record = super().log_eval(step, result)
+        if record is not None and self._wandb is not None:
+            self._wandb.log(result.scalars(), step=step)
+        return record
+
     def close(self) -> None:
         super().close()
         if self._wandb is not None:

@@ -38,6 +38,7 @@ from .checkpoint_files import agree_on_write, finite_state, write_failure
 from .console import RunLogger, layout_line, startup_block
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
+from .evaluation import RunEvaluation
 from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
@@ -135,7 +136,10 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         stream = build_token_stream(
             stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
             cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
+            held_out=run.eval.held_out(layout.dp_size) if run.eval else 0,
         )
+    evaluation = RunEvaluation.build(run.eval, stream, stream_settings, tokenizer, layout, cache_files.writes, rank0,
+                                     model_config.vocab_size, pad_token_id(tokenizer)) if run.eval else None
 
     _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
@@ -185,6 +189,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
                                              "(another process on this GPU?), which the dry run's plan needs"))
+        if evaluation is not None:
+            logger.info("  " + evaluation.describe())
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
@@ -230,6 +236,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=output.tensorboard,
         wandb_run=_start_wandb(output.wandb_project, run.flags, out) if rank0 and output.wandb_project else None,
     ) as step_logger:
+        if evaluation is not None and run.eval.at_start:
+            evaluation(engine, start_step, step_logger)
         for step in range(start_step, steps):
             if step == start_step and rank0 and (model.deltanet or "").startswith("fla"):
                 logger.info("step %d: the first; fla autotunes its gated DeltaNet kernels in it (minutes on a fresh "
@@ -310,6 +318,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                         f"--resume --output-dir {out} --lr <lower>.")
                 save_checkpoint(engine, out, done, stream, keep=output.keep_checkpoints, writes=run_files.writes,
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
+            if evaluation is not None and not stopping and run.eval.due(done, steps):
+                evaluation(engine, done, step_logger)
             if on_step is not None:
                 on_step(done, record)
             if stopping and done < steps:
