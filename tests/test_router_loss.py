@@ -191,3 +191,14 @@ def test_trainer_loss_holds_the_router_loss(tmp_path):
         ref = sum(model(**{k: torch.tensor([v[i]]) for k, v in rows.items()}).loss.item() for i in range(2)) / 2
     for loss in run_shared(trainer_worker, 2, str(tmp_path), rows, kind="trainer"):
         assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
+
+
+def test_step_line_shows_the_router_loss():
+    from ulysses_lc.plan.metrics import StepLogger
+
+    record = {"step": 1, "total_steps": 2, "loss": 1.0, "grad_norm": None, "lr": None, "tokens": 8, "step_time_s": 1.0,
+              "tokens_per_s": 8.0, "tflops_per_gpu": None, "mfu": None, "gpu_mem_gb": None, "host_rss_gb": 1.0,
+              "host_used_gb": 2.0}
+    assert "aux_loss" not in StepLogger.format_line(record)
+    assert "| loss 1.0000 |" in StepLogger.format_line(record) and \
+        "aux_loss 2.0625" in StepLogger.format_line({**record, "aux_loss": 2.0625})
