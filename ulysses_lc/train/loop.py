@@ -245,7 +245,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             # The lr this step trains with: engine.step() advances the schedule at the step's last micro step, after
             # which get_last_lr() is the next step's.
             lr = scheduler.get_last_lr()[0]
-            losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
+            losses, aux_losses, trained, documents, padding, pair_metrics = [], [], 0, 0, 0, []
             step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
@@ -260,8 +260,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
                                         pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
-                                        document_lengths=sample.document_lengths).to(device)
+                                        document_lengths=sample.document_lengths,
+                                        attention_mask=sample.attention_mask).to(device)
                     loss = engine(**batch.as_kwargs())
+                    if model.last_aux_loss is not None:  # MoE: loss holds router_aux_loss_coef x this too
+                        aux_losses.append(model.last_aux_loss)
                     n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 engine.step()  # the optimizer steps at the last micro step only
@@ -269,8 +272,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
-            # The one host sync of the step: the logged numbers.
+            # The host syncs of the step: the logged numbers.
             loss_value = _dp_mean(torch.stack(losses).mean(), layout)
+            aux_value = _dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
@@ -283,6 +287,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
                     **(mean_metrics(pair_metrics, step_pairs, layout) if dpo else {}),
+                    **({"aux_loss": aux_value} if aux_losses else {}),
                 )
             except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
                 record, failed = None, f"step {step + 1}: " + write_failure(
