@@ -11,7 +11,7 @@ The package is laid out by what each part is, lowest floor first; a floor import
   mixers/        what runs on the whole sequence after the exchange: attention, kernels, explicit_attention,
                  window_attention, linear_attention, fallbacks
   levers/        the memory levers: chunked_loss, checkpointing, host_pool, tiled_mlp, rmsnorm, yarn
-  objectives/    what a step minimises over the SP group: loss, preference (DPO / IPO)
+  objectives/    what a step minimises over the SP group: loss, router_loss (MoE), preference (DPO / IPO)
   plan/          the sizing model: memory, memory_model, sizing, metrics
   data/          the token stream: sources, tokenize, cache, packing, pairs
   model.py       SequenceParallelCausalLM: the pieces around a HF model; plan_step, plain names

@@ -62,8 +62,8 @@ class ShardingCollator:
     """The Trainer's collate function, then `shard_batch`: this rank's slice of one whole sequence.
 
     Runs on the host (in dataloader workers where there are any), where shard_batch's checks cost no device sync.
-    Returns input_ids, labels (shifted), position_ids, and cu_seqlens as a tuple of ints (the Trainer moves
-    tensors to the device; the attention reads the boundaries on the host).
+    Returns input_ids, labels (shifted), position_ids, cu_seqlens as a tuple of ints (the Trainer moves
+    tensors to the device; the attention reads the boundaries on the host) and, where there is padding, token_mask.
     layout: only sp_size and sp_rank are read (a group-free copy travels to worker processes).
     """
 
@@ -95,10 +95,12 @@ class ShardingCollator:
         if lengths is None and position_ids is not None:
             lengths = document_lengths_from_positions(position_ids.reshape(-1))
         sharded = shard_batch(input_ids, self.layout, labels=labels, pad_token_id=self.pad_token_id,
-                              vocab_size=self.vocab_size, document_lengths=lengths)
+                              vocab_size=self.vocab_size, document_lengths=lengths, attention_mask=mask)
         out = {"input_ids": sharded.input_ids, "labels": sharded.labels, "position_ids": sharded.position_ids}
         if sharded.cu_seqlens is not None:
             out["cu_seqlens"] = tuple(sharded.cu_seqlens.tolist())
+        if sharded.token_mask is not None:  # the padding, which the MoE router loss leaves out as transformers does
+            out["token_mask"] = sharded.token_mask
         return out
 
 

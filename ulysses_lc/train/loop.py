@@ -14,7 +14,6 @@ the loop, job_watch.py ends every node's ranks when one fails.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import time
@@ -35,8 +34,9 @@ from ..parallel.zero_reshard import universal_config
 from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line,
                         save_checkpoint, write_run_file)
 from .config import TrainConfig
-from .checkpoint_files import agree_on_write, finite_state, write_failure
+from .checkpoint_files import agree_on_write, write_failure
 from .console import RunLogger, layout_line, startup_block
+from .divergence import StepGuard
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
 from .evaluation import RunEvaluation
@@ -55,10 +55,6 @@ from .schedule import Schedule
 from .settings import OptimSettings, RunSettings, WatchSettings
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm went inf/NaN: the run stops before saving it; the message names the last good checkpoint."""
 
 
 def train(cfg: TrainConfig, on_step=None) -> list[dict]:
@@ -231,6 +227,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     _stop_before_start(stop, layout, device, out, output.resume)  # while the weights loaded and the engine started
     stop.training = True
+    guard = StepGuard(engine, layout, out, run, run_files.writes)  # from the weights as loaded (divergence.py)
     records = []
     with RunLogger(
         out, steps, tokens_per_step=seq_len * global_batch, world_size=sp_size, flops=flops,
@@ -249,7 +246,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             # The lr this step trains with: engine.step() advances the schedule at the step's last micro step, after
             # which get_last_lr() is the next step's.
             lr = scheduler.get_last_lr()[0]
-            losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
+            losses, aux_losses, trained, documents, padding, pair_metrics = [], [], 0, 0, 0, []
             step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
@@ -264,8 +261,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
                                         pad_token_id=pad_token_id(tokenizer), vocab_size=text_config(model_config).vocab_size,
-                                        document_lengths=sample.document_lengths).to(device)
+                                        document_lengths=sample.document_lengths,
+                                        attention_mask=sample.attention_mask).to(device)
                     loss = engine(**batch.as_kwargs())
+                    if model.last_aux_loss is not None:  # MoE: loss holds router_aux_loss_coef x this too
+                        aux_losses.append(model.last_aux_loss)
                     n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 engine.step()  # the optimizer steps at the last micro step only
@@ -273,8 +273,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
-            # The one host sync of the step: the logged numbers.
+            # The host syncs of the step: the logged numbers.
             loss_value = _dp_mean(torch.stack(losses).mean(), layout)
+            aux_value = _dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
@@ -287,6 +288,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
                     **(mean_metrics(pair_metrics, step_pairs, layout) if dpo else {}),
+                    **({"aux_loss": aux_value} if aux_losses else {}),
                 )
             except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
                 record, failed = None, f"step {step + 1}: " + write_failure(
@@ -295,23 +297,13 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             if record is not None:
                 records.append(record)
             done = step + 1
-            # The loss is the same on every rank (SP-reduced, then the DP mean) and the norm is global, so every
-            # rank stops here together.
-            if not math.isfinite(loss_value) or (grad_norm is not None and not math.isfinite(grad_norm)):
-                raise NonFiniteError(
-                    f"step {done}: loss {loss_value}, grad_norm {grad_norm}: not finite; the run stops without "
-                    f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
-                    f"{optim.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
-                    "--lr <lower> (a new --lr applies on resume).")
+            # The loss is the same on every rank (SP-reduced, then the DP mean), the norms are global, so every
+            # rank stops here together: before this step's checkpoint.
+            guard.after_step(done, loss_value, grad_norm)
             # A SIGTERM, SIGINT or launcher's end on any rank (stop.py), or a write refused (SaveFailed on every rank).
             stopping = stop.agreed(layout, device, failed)
             if (output.save_every and done % output.save_every == 0) or done == steps or stopping:
-                if not finite_state(engine):
-                    raise NonFiniteError(
-                        f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
-                        f"in the weights or optimizer state; the run stops without saving them. Last good checkpoint: "
-                        f"{latest_checkpoint(out) or 'none'}. Lower --lr (now {optim.lr:g}) and continue from it with "
-                        f"--resume --output-dir {out} --lr <lower>.")
+                guard.before_save(done, loss_value, grad_norm)
                 save_checkpoint(engine, out, done, stream, keep=output.keep_checkpoints, writes=run_files.writes,
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if evaluation is not None and not stopping and run.eval.due(done, steps):
