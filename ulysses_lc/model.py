@@ -9,12 +9,14 @@ re-gather before backward) in charge of the LM head as of any other layer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .composite import freeze_outside_language_model
 from .mixers import fallbacks
 from .mixers.attention import install_ulysses_attention
 from .levers.checkpointing import install_checkpointing
@@ -23,12 +25,13 @@ from .constants import IGNORE_INDEX
 from .mixers.explicit_attention import explicit_attention, keeps_attention_outputs
 from .parallel.layout import ParallelLayout
 from .objectives.loss import sp_mean_loss
+from .objectives.router_loss import install_router_loss
 from .plan.memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
-from .peft_support import causal_lm, check_peft_model
+from .peft_support import base_model, causal_lm, check_peft_model
 from .objectives.preference import document_log_probs
 from .recompute import RecomputeContext
 from .levers.rmsnorm import install_efficient_rmsnorm
-from .shape import ModelShape
+from .shape import ModelShape, text_config
 from .levers.tiled_mlp import install_tiled_mlp, plain_parameter_name
 
 
@@ -41,15 +44,18 @@ def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
 
 
 class SequenceParallelCausalLM(nn.Module):
-    """Wraps `model` (a transformers *ForCausalLM, or a peft PeftModel of one) for sequence-parallel training over
-    `layout`.
+    """Wraps `model` (a transformers *ForCausalLM, a multimodal *ForConditionalGeneration whose language model
+    trains, or a peft PeftModel of either) for sequence-parallel training over `layout`.
 
-    forward(input_ids, position_ids, labels, cu_seqlens=None) -> loss: mean over the valid tokens of the whole sequence
-    (all SP ranks), identical on each of them; `last_num_tokens` holds the valid-token count (a device
+    forward(input_ids, position_ids, labels, cu_seqlens=None, token_mask=None) -> loss: mean over the valid tokens of
+    the whole sequence (all SP ranks), identical on each of them, plus the MoE routers' load-balancing term where the
+    config has output_router_logits on (forward says how); `last_num_tokens` holds the valid-token count (a device
     tensor, read it after the step). The wrapped model stays a normal HF model (`.model`): save or
     export it as usual, after `undo()` if you want the plain modules back. A PeftModel stays one: the levers act
     on the transformers model under it (`.causal_lm`, peft_support.py), only its trainable parameters take
-    gradients, and its `save_pretrained` writes the adapter.
+    gradients, and its `save_pretrained` writes the adapter. A multimodal model stays one too: the levers act on its
+    language model, and everything else (the vision tower, the projector) is frozen here, so it is saved as loaded
+    (composite.py).
 
     The memory levers, each exact, are on by default; build this wrapper before `deepspeed.initialize`
     (ZeRO-3 registers its hooks on the modules as they are then). Each is installed through its own
@@ -93,13 +99,19 @@ class SequenceParallelCausalLM(nn.Module):
         if plan is not None and not checkpointing:
             raise ValueError("a memory plan chooses which layers are checkpointed; it needs checkpointing=True.")
         check_peft_model(model, chunked_loss=bool(chunked_loss))
+        freeze_outside_language_model(base_model(model))
         self.model = model
         self.layout = layout
         self.shape = ModelShape.from_config(model.config)
         self.offload = offload and checkpointing
         self.last_num_tokens = None
+        self.last_aux_loss = None
         self.levers = []
         lm = causal_lm(model)
+        # The MoE routers' load-balancing loss, where the config asks for it (output_router_logits): None costs nothing.
+        self.router_loss = install_router_loss(lm)
+        if self.router_loss is not None:
+            self.levers.append(self.router_loss)
         context = RecomputeContext()
         # Also at sp_size 1: the attention kernel (and its backend priority) is then ours.
         attention = install_ulysses_attention(lm, layout, kernel, head_groups=attention_head_groups,
@@ -114,7 +126,8 @@ class SequenceParallelCausalLM(nn.Module):
         if chunked_loss:
             self.levers.append(install_chunked_loss_head(lm, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:
-            self.levers.append(install_tiled_mlp(lm, None if tiled_mlp is True else int(tiled_mlp)))
+            self.levers.append(install_tiled_mlp(lm, None if tiled_mlp is True else int(tiled_mlp),
+                                                 router=self.router_loss))
         self.checkpointing = None
         if checkpointing:
             plan = plan or MemoryPlan.everything_checkpointed(self.shape.layers)
@@ -201,7 +214,7 @@ class SequenceParallelCausalLM(nn.Module):
         from .levers.yarn import describe_rope_scaling
 
         layout, config = self.layout, self.config
-        layers = config.num_hidden_layers
+        layers = text_config(config).num_hidden_layers
         ranks = f"{layout.world_size} rank{'s' if layout.world_size > 1 else ''}"
         why = "the GPU" if device.type == "cuda" else "no GPU: every layer checkpointed"
         return [
@@ -243,6 +256,8 @@ class SequenceParallelCausalLM(nn.Module):
             )
         # Packed documents: their boundaries reach the attention function through transformers' layer kwargs.
         extra = {} if cu_seqlens is None else {"document_bounds": tuple(int(n) for n in cu_seqlens.tolist())}
+        if self.router_loss is not None:  # our hooks sum the router logits layer by layer; transformers would keep them
+            extra["output_router_logits"] = False
         # Every attention call of this forward checks that the borders reached it (a model that drops **kwargs
         # would let the documents attend to each other).
         self.attention.expected_bounds = extra.get("document_bounds")
@@ -254,21 +269,36 @@ class SequenceParallelCausalLM(nn.Module):
             self.attention.expected_bounds = None
 
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None, per_token=False,
-                num_items_in_batch=None):
-        """The sequence's mean loss; with `documents` (an int, preference training) the [documents] summed
-        log-probabilities of the first packed documents' labels instead, the same on every SP rank (preference.py);
-        with per_token (evaluation, under no_grad) this rank's slice scored row by row (`token_scores`).
+                token_mask=None, num_items_in_batch=None):
+        """The sequence's loss, the same on every SP rank: the mean token cross-entropy over the valid labels of
+        the whole sequence, plus, where config.output_router_logits is on (MoE), router_aux_loss_coef x the
+        routers' load-balancing loss of the whole sequence, as transformers' `outputs.loss` (objectives/
+        router_loss.py). `last_num_tokens` then holds the valid-label count and `last_aux_loss` the load-balancing
+        loss before its coefficient (device tensors, detached; None when off): loss - coef x last_aux_loss is the
+        token loss. One aux term per sequence (per forward), as transformers adds one per forward.
 
-        num_items_in_batch: the token loss is the sequence's summed token losses over this count instead of its own
-            (the valid labels of the whole optimizer step, as transformers' Trainer passes it to a model: token
-            weighting across gradient accumulation and DP; docs/weighting.md)."""
+        token_mask: [b, s_local] bool, False on padding (ShardedBatch.token_mask), which the router loss does not
+            count; None: every token counts.
+        num_items_in_batch: the token cross-entropy is the sequence's summed token losses over this count instead of
+            its own (the valid labels of the optimizer step, as transformers' Trainer passes it to a model: token
+            weighting across gradient accumulation and DP, docs/weighting.md); the router term is unchanged by it.
+        documents: an int (preference training): the [documents] summed log-probabilities of the first packed
+            documents' labels instead, the same on every SP rank (preference.py).
+        per_token: (evaluation, under no_grad) this rank's slice scored row by row (`token_scores`), no router loss.
+        """
         if labels is None:
             raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
-        hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
         if per_token:
-            return self.token_scores(hidden_bse, labels)
+            return self.token_scores(self.hidden_states(input_ids, position_ids, cu_seqlens), labels)
         if documents is not None:
+            if self.router_loss is not None:
+                raise ValueError("config.output_router_logits=True: the preference loss does not add the MoE router's "
+                                 "load-balancing loss; set output_router_logits=False in the model's config.")
+            hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
             return document_log_probs(self, hidden_bse, labels, cu_seqlens, int(documents), self.layout)
+        tally = contextlib.nullcontext() if self.router_loss is None else self.router_loss.tally(token_mask)
+        with tally as router_sums:
+            hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
         head = self.causal_lm.get_output_embeddings()
         if isinstance(head, ChunkedLossHead):
             loss_sum, n_valid = head(hidden_bse, labels)
@@ -278,6 +308,10 @@ class SequenceParallelCausalLM(nn.Module):
                 logits_bsv = torch.tanh(logits_bsv / cap) * cap
             loss_sum, n_valid = plain_loss_sum(logits_bsv, labels)
         loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout, num_items_in_batch)
+        if router_sums is not None:
+            aux_loss = router_sums.aux_loss(self.layout, loss.device)
+            self.last_aux_loss = aux_loss.detach()
+            loss = loss + self.router_loss.coef * aux_loss
         return loss
 
     def token_scores(self, hidden_bse: torch.Tensor, labels_bs: torch.Tensor):

@@ -36,6 +36,15 @@ class Sample:
     padding_tokens: int
 
     @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """[s] 1 on the window's tokens, 0 on its padding (transformers' convention); None where there is none."""
+        if not self.padding_tokens:
+            return None
+        mask = torch.ones(len(self.input_ids), dtype=torch.long)
+        mask[len(mask) - self.padding_tokens:] = 0
+        return mask
+
+    @property
     def num_trained_tokens(self) -> int:
         """Labels that are a loss target after the causal shift (position 0 never is)."""
         return int((self.labels[1:] != IGNORE_INDEX).sum())

@@ -49,7 +49,8 @@ def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: Parallel
     loss_sum: differentiable fp32 scalar, this rank's summed token losses.
     n_valid: integer scalar, this rank's count of labels != IGNORE_INDEX.
     num_items_in_batch: the denominator instead of the sequence's own count: the valid labels of every sequence of
-      the optimizer step (token weighting across accumulation and DP, as transformers' Trainer passes it).
+      the optimizer step (token weighting across accumulation and DP, as transformers' Trainer passes it), or those
+      per sequence where DeepSpeed then averages over the step's sequences (the main job, docs/weighting.md).
     Returns (loss, n_valid_total). A sequence with no valid label gives loss 0 with zero gradients.
     No host sync: counts stay on the device.
     """
@@ -59,11 +60,12 @@ def sp_mean_loss(loss_sum: torch.Tensor, n_valid: torch.Tensor, layout: Parallel
         loss_sum = _SumOverGroup.apply(loss_sum, layout.sp_group)
     denominator = n_total if num_items_in_batch is None else torch.as_tensor(
         num_items_in_batch, dtype=torch.float32, device=n_total.device)
-    return loss_sum / denominator.clamp(min=1.0), n_total
+    # No label at all (then every loss sum is 0): 0, not 0 / 0. A given count may be a fraction (labels per sequence).
+    return loss_sum / torch.where(denominator > 0, denominator, torch.ones_like(denominator)), n_total
 
 
 def step_num_items(labels: list, layout: ParallelLayout, device=None, across_dp: bool = True) -> torch.Tensor:
-    """`num_items_in_batch` for token weighting (docs/weighting.md): the valid labels of the optimizer step.
+    """The valid labels of the optimizer step, for token weighting (`num_items_in_batch`, docs/weighting.md).
 
     labels: this rank's slices of its micro steps' shifted labels (ShardedBatch.labels, each != IGNORE_INDEX a target).
     Summed over the SP group (the slices of each sequence) and, across_dp, over the DP groups too (transformers'

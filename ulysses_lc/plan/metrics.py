@@ -168,6 +168,7 @@ class StepLogger:
     peak_tflops: per-GPU ceiling for MFU, e.g. `measure_peak_bf16_tflops()`.
     GPU memory is `torch.cuda.max_memory_allocated` of this rank since the start (or since the
     caller last reset it); pass `gpu_mem_gb` to `log` to report another figure (e.g. max over ranks).
+    start_step: the step the run continues from; lines past it in an existing `metrics.jsonl` go (each step once).
     """
 
     def __init__(
@@ -199,8 +200,8 @@ class StepLogger:
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if start_step and self.jsonl_path.is_file():
-            self._drop_after(start_step)
+        if self.jsonl_path.is_file():  # a run from step 0 in the folder of a start that stopped before its first
+            self._drop_after(start_step)  # checkpoint (divergence.py's advice) begins the file anew
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -307,7 +308,7 @@ class StepLogger:
     def format_line(r: dict) -> str:
         """The human line, e.g. `step 3/10 | loss 4.3110 | ... | MFU 65.9% | gpu 56.2 GB | host 12.0 GB (node 120.4 GB)`;
         "-" where a figure does not apply (no TFLOPS, MFU or GPU memory without a GPU). Packed steps add the
-        labels trained, the documents and the padding share."""
+        labels trained, the documents and the padding share; MoE steps with the router loss on its aux_loss."""
         parts = [
             f"step {r['step']}/{r['total_steps']}", f"loss {r['loss']:.4f}", f"grad_norm {_fmt(r['grad_norm'], '.2f')}",
             f"lr {_fmt(r['lr'], '.1e')}", f"tokens {r['tokens']:,}",
@@ -316,6 +317,8 @@ class StepLogger:
             parts.append(f"trained {r['trained_tokens']:,}")
         if r.get("documents", 1) > 1:
             parts.append(f"docs {r['documents']} (pad {100 * r.get('padding_share', 0.0):.1f}%)")
+        if r.get("aux_loss") is not None:  # MoE: the routers' load-balancing loss, which `loss` holds x its coefficient
+            parts.append(f"aux_loss {r['aux_loss']:.4f}")
         if r.get("reward_margin") is not None:  # preference training (train/preference_step.py)
             parts.append(f"margin {r['reward_margin']:.3f} (acc {r['reward_accuracy']:.2f})")
         parts += [

@@ -14,7 +14,6 @@ the loop, job_watch.py ends every node's ranks when one fails.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import time
@@ -30,13 +29,15 @@ from ..parallel.layout import ParallelLayout
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..objectives.loss import step_num_items
+from ..shape import text_config
 from ..parallel.sharding import shard_batch
 from ..parallel.zero_reshard import universal_config
 from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line,
                         save_checkpoint, write_run_file)
 from .config import TrainConfig
-from .checkpoint_files import agree_on_write, finite_state, write_failure
+from .checkpoint_files import agree_on_write, write_failure
 from .console import RunLogger, layout_line, startup_block
+from .divergence import StepGuard
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
 from .evaluation import RunEvaluation
@@ -56,10 +57,6 @@ from .schedule import Schedule
 from .settings import OptimSettings, RunSettings, WatchSettings
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm went inf/NaN: the run stops before saving it; the message names the last good checkpoint."""
 
 
 def train(cfg: TrainConfig, on_step=None) -> list[dict]:
@@ -141,7 +138,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             held_out=run.eval.held_out(layout.dp_size) if run.eval else 0,
         )
     evaluation = RunEvaluation.build(run.eval, stream, stream_settings, tokenizer, layout, cache_files.writes, rank0,
-                                     model_config.vocab_size, pad_token_id(tokenizer)) if run.eval else None
+                                     text_config(model_config).vocab_size, pad_token_id(tokenizer)) if run.eval else None
 
     _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
@@ -166,7 +163,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
-    dpo_step = DPOStep(run.objective, seq_len, layout, model_config.vocab_size, pad_token_id(tokenizer),
+    dpo_step = DPOStep(run.objective, seq_len, layout, text_config(model_config).vocab_size, pad_token_id(tokenizer),
                        load_reference(run, checked, device, layout), adapters=bool(model_settings.lora_r)) \
         if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
@@ -232,6 +229,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     _stop_before_start(stop, layout, device, out, output.resume)  # while the weights loaded and the engine started
     stop.training = True
+    guard = StepGuard(engine, layout, out, run, run_files.writes)  # from the weights as loaded (divergence.py)
     records = []
     with RunLogger(
         out, steps, tokens_per_step=seq_len * global_batch, world_size=sp_size, flops=flops,
@@ -250,17 +248,21 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             # The lr this step trains with: engine.step() advances the schedule at the step's last micro step, after
             # which get_last_lr() is the next step's.
             lr = scheduler.get_last_lr()[0]
-            losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
+            losses, aux_losses, trained, documents, padding, pair_metrics = [], [], 0, 0, 0, []
             step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
             # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
             # global_batch sequences however they are split over DP groups and micro steps.
             windows = [stream.position + micro * layout.dp_size + layout.dp_rank for micro in range(grad_accum)]
             if not dpo:  # every micro step's sequence first: its labels count in every sequence's token loss
                 samples = [stream.sample(window) for window in windows]
-                batches = [shard_batch(sample.input_ids, layout, labels=sample.labels,
-                                       pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
-                                       document_lengths=sample.document_lengths).to(device) for sample in samples]
-                num_items = step_num_items([batch.labels for batch in batches], layout)
+                batches = [shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
+                                       vocab_size=text_config(model_config).vocab_size,
+                                       document_lengths=sample.document_lengths,
+                                       attention_mask=sample.attention_mask).to(device) for sample in samples]
+                # Tokens weigh the same across micro steps and DP groups, as in transformers' Trainer
+                # (docs/weighting.md): each sequence's summed token losses over the step's labels per sequence, which
+                # DeepSpeed's mean over the step's global_batch sequences turns into the step's token mean.
+                per_sequence = step_num_items([batch.labels for batch in batches], layout) / global_batch
             for micro in range(grad_accum):
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
@@ -269,24 +271,21 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                         engine, sample, device, windows[micro] % len(stream), step_pairs=step_pairs,
                         step_sequences=global_batch)
                     pair_metrics.append(metrics)
-                    engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 else:
-                    # Tokens weigh the same across micro steps and DP groups, as in transformers' Trainer
-                    # (docs/weighting.md): the loss is this sequence's summed token losses over the step's labels, and
-                    # ZeRO-3's mean over DP groups is undone by dp_size, with no division by the micro steps.
                     sample = samples[micro]
-                    loss = engine(**batches[micro].as_kwargs(), num_items_in_batch=num_items)
+                    loss = engine(**batches[micro].as_kwargs(), num_items_in_batch=per_sequence)
+                    if model.last_aux_loss is not None:  # MoE: loss holds router_aux_loss_coef x this too
+                        aux_losses.append(model.last_aux_loss)
                     n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
-                    engine.backward(loss * layout.dp_size, scale_wrt_gas=False)
+                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 engine.step()  # the optimizer steps at the last micro step only
                 losses.append(loss.detach())
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
-            # The one host sync of the step: the logged numbers.
-            # SFT: the micro steps' losses are shares of the step's token mean; DPO: their mean is the step's pair mean.
-            loss_value = _dp_mean(torch.stack(losses).mean() if dpo else torch.stack(losses).sum() * layout.dp_size,
-                                  layout)
+            # The host syncs of the step: the logged numbers (SFT: the token mean; DPO: the pair mean).
+            loss_value = _dp_mean(torch.stack(losses).mean(), layout)
+            aux_value = _dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
@@ -299,6 +298,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
                     **(mean_metrics(pair_metrics, step_pairs, layout) if dpo else {}),
+                    **({"aux_loss": aux_value} if aux_losses else {}),
                 )
             except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
                 record, failed = None, f"step {step + 1}: " + write_failure(
@@ -307,23 +307,13 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             if record is not None:
                 records.append(record)
             done = step + 1
-            # The loss is the same on every rank (SP-reduced, then the DP mean) and the norm is global, so every
-            # rank stops here together.
-            if not math.isfinite(loss_value) or (grad_norm is not None and not math.isfinite(grad_norm)):
-                raise NonFiniteError(
-                    f"step {done}: loss {loss_value}, grad_norm {grad_norm}: not finite; the run stops without "
-                    f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
-                    f"{optim.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
-                    "--lr <lower> (a new --lr applies on resume).")
+            # The loss is the same on every rank (SP-reduced, then the DP mean), the norms are global, so every
+            # rank stops here together: before this step's checkpoint.
+            guard.after_step(done, loss_value, grad_norm)
             # A SIGTERM, SIGINT or launcher's end on any rank (stop.py), or a write refused (SaveFailed on every rank).
             stopping = stop.agreed(layout, device, failed)
             if (output.save_every and done % output.save_every == 0) or done == steps or stopping:
-                if not finite_state(engine):
-                    raise NonFiniteError(
-                        f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
-                        f"in the weights or optimizer state; the run stops without saving them. Last good checkpoint: "
-                        f"{latest_checkpoint(out) or 'none'}. Lower --lr (now {optim.lr:g}) and continue from it with "
-                        f"--resume --output-dir {out} --lr <lower>.")
+                guard.before_save(done, loss_value, grad_norm)
                 save_checkpoint(engine, out, done, stream, keep=output.keep_checkpoints, writes=run_files.writes,
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if evaluation is not None and not stopping and run.eval.due(done, steps):
