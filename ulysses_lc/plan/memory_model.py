@@ -40,7 +40,7 @@ PACKED_PLAIN_FIT = 0.57
 BACKWARD_FIT = 0.18
 # One checkpointed layer's recompute and backward against the formula 2 (8e + 6q + 6kv) (memory.working_set_bytes_per_
 # token), beside the kernel's block: 36.7 KB a token on one 0.6B layer at 256k and at 2M (53.2 by the formula).
-RECOMPUTE_FIT = 0.69
+RECOMPUTE_FIT = 1.0
 
 # Device memory the allocator holds beyond what is allocated (expandable segments): up to 16.5% of the step's
 # activations measured (8B shape at sp 2: 131.7 GB reserved for 122.6 allocated, 67.6 of them state); the plan
@@ -101,6 +101,7 @@ class StepTerms:
 
     @classmethod
     def fitted(cls, *, layers: int, plain_formula: float, working_formula: float, block: float, kept: int,
+               mlp_formula: float,
                cached: int, attention_output: int, loss: int, loss_chunk: int, sp_size: int, packed: bool,
                offload: bool, recurrence: float = 0, linear_layers: tuple = (),
                recurrence_recompute: float = 0) -> "StepTerms":
@@ -117,7 +118,8 @@ class StepTerms:
                  + (PACKED_PLAIN_FIT * attention_output if packed else 0))
         return cls(layers=layers, plain=plain, kept=kept, cached=cached,
                    backward=BACKWARD_FIT * plain_formula + block,
-                   recompute=RECOMPUTE_FIT * working_formula + max(block, recurrence_recompute),
+                   recompute=max(RECOMPUTE_FIT * working_formula + max(block, recurrence_recompute),
+                                 RECOMPUTE_FIT * mlp_formula),
                    loss=loss, loss_chunk=loss_chunk, offload=offload, linear_layers=tuple(linear_layers),
                    recurrence=recurrence if any(linear_layers) else 0)
 
