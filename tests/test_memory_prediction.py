@@ -126,7 +126,7 @@ TERMS = {
     "plain layers' extra for packed documents": (memory_model, "PACKED_PLAIN_FIT", 0.0),
     "first plain layer's backward": (memory_model, "BACKWARD_FIT", 0.0),
     "checkpointed layer's recompute": (memory_model, "RECOMPUTE_FIT", 0.0),
-    "attention kernel's block": (memory, "attention_backward_block_bytes", lambda *a: 0),
+    "attention kernel's block": (memory, "head_group_block_bytes", lambda *a: 0),
     "checkpointed inputs": (memory, "checkpointed_input_bytes_per_token", lambda shape: 0),
     "kept attention outputs": (memory, "kept_output_bytes_per_token", lambda shape: 0),
     "loss head": (memory, "loss_head_bytes", lambda shape, tokens: memory.auto_chunk_rows(shape.vocab) * shape.vocab * 4),
