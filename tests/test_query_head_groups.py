@@ -11,7 +11,7 @@ Against the plain computation, same inputs:
     plain transformers in one process: loss within 1e-5, each gradient within 1e-4 relative norm (fp32, as
     tests/test_sp_parity.py), and the kernel ran once per group;
   - the dry run's arithmetic: Llama-3.1-8B (its shipped config) on 8 x 80 GB with 225 GB host a rank reaches
-    5,500,000 tokens (issue 44; 3,883,008 before these levers).
+    5,500,000 tokens, and on one 141 GB GPU with 1800 GB host 1,600,000 (issue 44; 3,883,008 and 1,146,880 before).
 """
 
 from pathlib import Path
@@ -85,7 +85,7 @@ def test_sp2_with_query_head_groups_equals_plain_single_process(heads, kv_heads,
         assert calls == 2 * groups * (1 if cache else 2), calls
 
 
-def test_dry_run_longest_for_llama_8b_on_eight_80gb_gpus():
+def test_dry_run_longest_for_llama_8b_on_eight_80gb_gpus_and_one_141gb_gpu():
     from transformers import AutoConfig
 
     from ulysses_lc import ModelShape
@@ -100,3 +100,6 @@ def test_dry_run_longest_for_llama_8b_on_eight_80gb_gpus():
               offload_params=True, ranks_per_node=8)
     longest = job.longest(Limits(80 * GB, 225 * GB), multiple=1024)
     assert longest >= 5_500_000, longest
+    one = Job(job.shape, job.num_params, 1, 1, offload_optimizer=True, offload_params=True)
+    longest = one.longest(Limits(141 * GB, 1800 * GB), multiple=1024)
+    assert longest >= 1_600_000, longest

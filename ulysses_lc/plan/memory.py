@@ -26,7 +26,7 @@ from ..levers.tiled_mlp import auto_num_tiles
 from ..mixers.explicit_attention import attention_head_groups, head_group_block_bytes, keeps_attention_outputs
 from ..parallel.layout import ParallelLayout
 from ..mixers.linear_attention import recurrence_block_bytes
-from .memory_model import ALLOCATOR_SLACK, CONTEXT_BYTES, HOST_HEADROOM, StepTerms, zero3_working_bytes
+from .memory_model import CONTEXT_BYTES, HOST_HEADROOM, StepTerms, allocator_slack, zero3_working_bytes
 from ..shape import ModelShape
 from ..mixers.window_attention import band_bytes_per_token
 
@@ -82,9 +82,11 @@ class MemoryPlan:
 #   - its attention backward: the layer input and its norm (x, nx: 2e), q, k, v and out after the exchange (2q + 2kv'),
 #     the residual's gradient (e), dout, dq, dk, dv (2q + 2kv'), where the model norms q and k per head their inputs
 #     (q + kv), and the kernel's own block (explicit_attention.py): 2 (3e + 4q + 4kv' [+ q + kv]);
-#   - its MLP backward: x, nx, q, k, v, out, the projection's copy of out (3q + 2kv' [+ q + kv]), the MLP block's input
-#     and its norm (2e), the layer output's and the MLP input's gradients (2e), and one tile's intermediates (six
-#     [c, i]: tiled_mlp.py): 2 (6e + 3q + 2kv' [+ q + kv]) + 12 i / tiles.
+#   - its MLP backward: x, nx, q, k, v, out, under SP the output projection's input (out exchanged back: at sp 1 the
+#     kernel writes out in q's seq-major layout, and the projection's input is a view of it, as SP_PLAIN_FIT's extra
+#     output under SP says), the MLP block's input and its norm (2e), the layer output's and the MLP input's
+#     gradients (2e), and one tile's intermediates (six [c, i]: tiled_mlp.py):
+#     2 (6e + 2q [+ q under SP] + 2kv' [+ q + kv]) + 12 i / tiles.
 #   The first (18 units of 1024 on the Qwen3-0.6B shape, 36.9 KB) is the 36.7 KB a token measured beside the
 #   block on one 0.6B layer at 256k and at 2M (BENCHMARKS.md G); the second binds where e and i are wide.
 
@@ -111,7 +113,8 @@ def mlp_moment_bytes_per_token(shape: ModelShape, seq_local: int, sp_size: int =
     """One checkpointed layer's MLP backward with its tiles at `seq_local` tokens (the note above)."""
     kv = _exchanged_kv_width(shape, sp_size)
     tiles = auto_num_tiles(seq_local, shape.hidden, shape.intermediate)
-    return 2 * (6 * shape.hidden + 3 * shape.q_width + 2 * kv + _qk_norm_width(shape)) + 12 * shape.intermediate / tiles
+    q = (3 if sp_size > 1 else 2) * shape.q_width
+    return 2 * (6 * shape.hidden + q + 2 * kv + _qk_norm_width(shape)) + 12 * shape.intermediate / tiles
 
 
 def plan_memory(
@@ -134,12 +137,12 @@ def plan_memory(
     outputs in host memory where it has room. Without offload every checkpointed input stays on the device and
     the outputs come before plain layers (a tenth of a plain layer's bytes for most of its time saved).
     headroom: the share of `device_free_bytes` planned for (default: what the allocator's slack leaves,
-    memory_model.ALLOCATOR_SLACK). When nothing fits, the plan that needs the least device memory (sizing.Job.fit
+    memory_model.allocator_slack). When nothing fits, the plan that needs the least device memory (sizing.Job.fit
     says by how much it is over).
     """
     terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups, keep_attention=keep_attention,
                        offload=offload, packed=packed, long_documents=long_documents, deltanet=deltanet)
-    device = device_free_bytes * (1 / (1 + ALLOCATOR_SLACK) if headroom is None else headroom)
+    device = device_free_bytes * (1 / (1 + allocator_slack(shape, sp_size)) if headroom is None else headroom)
     return _choose(terms, device, float("inf") if host_free_bytes is None else host_free_bytes)
 
 
@@ -330,7 +333,7 @@ def plan_step_memory(
     else:
         device_free, host_free = measure_free_memory(device, layout)
         device_free -= (reserved_bytes + LATER_CONTEXT_BYTES
-                        + zero3_working_bytes(shape.largest_module_params) * (1 + ALLOCATOR_SLACK))
+                        + zero3_working_bytes(shape.largest_module_params) * (1 + allocator_slack(shape, layout.sp_size)))
         host_free *= HOST_HEADROOM
     return plan_memory(
         shape, seq_len, device_free, sp_size=layout.sp_size, host_free_bytes=max(host_free, 0),
