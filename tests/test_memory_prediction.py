@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import GptOssConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
 
 from ulysses_lc import MemoryPlan, ModelShape, memory, memory_model
 from ulysses_lc.plan.sizing import Job
@@ -62,6 +62,11 @@ OTHER_SHAPES = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
         num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
         rope_theta=1e6, tie_word_embeddings=False)),
+    "llama-3.1-8b": (LlamaConfig, dict(  # meta-llama/Llama-3.1-8B (ulysses_lc/model_configs), its llama3 RoPE scaling left
+        # out: the ladder puts YaRN on it for the length (the issue's --rope-scaling yarn); memory does not depend on it
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        tie_word_embeddings=False)),
 }
 
 
