@@ -118,7 +118,7 @@ def resolve_deltanet_kernel(kernel: str, device: torch.device) -> tuple[str, str
             raise ValueError(f"fla's gated delta rule refuses this GPU: {refusal}; use deltanet kernel 'torch'.")
         logger.warning("fla refuses its gated backward here (%s): gated DeltaNet layers take the torch path", refusal)
         return "torch", f"fla refuses its backward here: {refusal}"
-    return "fla", "fla-core (its kernels autotune on the first step at each length: minutes on a fresh machine, then cached)"
+    return "fla", "fla-core (its kernels autotune on the first step, minutes on a fresh machine, then kept in the kernel cache)"
 
 
 # Device bytes one gated DeltaNet layer's recurrence holds at its peak (forward + backward), per token of the whole
