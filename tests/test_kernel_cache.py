@@ -34,6 +34,10 @@ def test_the_variables_come_from_the_flag_unless_the_user_set_them(tmp_path):
         assert environ == {"TRITON_CACHE_DIR": "/mine", "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
         assert used["TRITON_CACHE_DIR"] == ("/mine", "set by you")
     assert environ == {"TRITON_CACHE_DIR": "/mine", "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    # inductor's own Triton folder (its first kernel sets it) is torch's too
+    environ = {"TRITON_CACHE_DIR": os.path.join(default_cache_dir(), "triton", "0")}
+    with cache_environment(folder, environ):
+        assert environ["TRITON_CACHE_DIR"] == str(folder / "triton")
     # The folder: the flag, else kernel_cache/ beside the run folder (runs/ for a new run), absolute.
     assert kernel_cache_dir(str(tmp_path / "k"), Path("x/run")) == tmp_path / "k"
     assert kernel_cache_dir(None, Path("x/run")) == Path("x/kernel_cache").absolute()

@@ -51,13 +51,16 @@ def kernel_cache_dir(flag: str | None, run_folder: Path | None) -> Path:
 def cache_vars(folder: Path, environ=None) -> dict[str, tuple[str, str]]:
     """{variable: (path, "--kernel-cache" or "set by you")}: the user's value where set, else `folder`'s subfolder.
     Importing torch's compiler sets TORCHINDUCTOR_CACHE_DIR to its default when unset (torch._dynamo.package, torch
-    2.13), so that default counts as unset: a process that compiled before (a notebook, a test) is no user's choice."""
+    2.13), and inductor's first Triton kernel sets TRITON_CACHE_DIR inside it: a value in torch's default folder
+    counts as unset, since a process that compiled before (a notebook, a test) made no user's choice."""
     environ = os.environ if environ is None else environ
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    defaults = {"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
-    return {var: (environ[var], "set by you") if environ.get(var) and environ[var] != defaults.get(var)
-            else (str(folder / sub), "--kernel-cache") for var, sub in CACHE_VARS.items()}
+    def yours(value: str | None) -> bool:
+        return bool(value) and not Path(value).is_relative_to(default_cache_dir())
+
+    return {var: (environ[var], "set by you") if yours(environ.get(var)) else (str(folder / sub), "--kernel-cache")
+            for var, sub in CACHE_VARS.items()}
 
 
 @contextlib.contextmanager
