@@ -139,12 +139,13 @@ def reference_line(run, estimate) -> str:
 
 def startup_block(*, out, run, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
                   limits_line: str | None = None, node: str | None = None, differs: str | None = None,
-                  deltanet: str | None = None) -> str:
+                  deltanet: str | None = None, kernels: str | None = None) -> str:
     """The run's start-up summary (run: settings.RunSettings): where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
     (per rank, and `node`: per node), and against `limits_line`'s limits (estimate.fit) whether the plan fits.
     device: "gpu" where the plan is a GPU's (the dry run, a GPU run, a CPU run given --gpu-memory-gb); differs: why
     the run's plan is not the dry run's for the same limits; deltanet: what runs the gated DeltaNet layers (the run's
-    resolved kernel and why; None: the GPU run's rule, for the dry run)."""
+    resolved kernel and why; None: the GPU run's rule, for the dry run); kernels: the kernel cache's line
+    (kernel_cache.kernels_line), whose missing kernels estimate.first_extra_s adds to the first step."""
     yarn = checked.rope or describe_rope_scaling(checked.model_config)
     layers = text_config(checked.model_config).num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
@@ -170,6 +171,8 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
     ]
     if node is not None:
         lines.append(f"node      {node}")
+    if kernels is not None:
+        lines.append(f"kernels   {kernels}")
     if estimate.fit is not None:
         lines.append(f"limits    {limits_line}: {estimate.fit.verdict()}")
     if device == "gpu":
@@ -179,5 +182,7 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
                      f"{attention_flops_per_s(estimate.job.shape.head_dim if estimate.job else 128) / 1e12:.0f}, "
                      f"matmul {MATMUL_FLOPS_PER_S / 1e12:.0f} TF/s"
                      + ("; packed documents take less" if run.stream.shape.packing else "")
-                     + (f"; {deltanet_line}" if deltanet_line else "") + ")")
+                     + (f"; {deltanet_line}" if deltanet_line else "") + ")"
+                     + (f"; the first step {estimate.step_s + estimate.first_extra_s:,.1f} s, its kernels not in "
+                        "the kernel cache (kernels line)" if estimate.first_extra_s else ""))
     return "\n".join(["ulysses_lc " + ("dry run" if run.dry_run else "run")] + ["  " + line for line in lines])
