@@ -354,3 +354,61 @@ def test_an_engine_built_without_our_mpu_is_refused():
                    torch.nn.Linear(1, 1)):
         with pytest.raises(RuntimeError, match="without ulysses_lc's mpu"):
             check_engine_mpu(engine, layout)
+
+
+MOE = dict(output_router_logits=True, router_aux_loss_coef=0.5)  # the default 0.001 hides the term in the tolerances
+
+
+def sft_moe_worker(rank, world, sp_size, out, ulysses):
+    """TRL's SFTTrainer on a MoE model with its router loss, two prompt/completion rows of different completion
+    lengths a step (accumulation 2 on one DP rank, 1 on two): the first step's loss and gradients (plain names).
+    ulysses=False: TRL's own SFTTrainer on one process, no DeepSpeed."""
+    import datasets
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from ulysses_lc.integrations.hf_trainer import UlyssesSFTTrainer
+    from ulysses_lc.model import SequenceParallelCausalLM
+    from ulysses_lc.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    ds = datasets.Dataset.from_list(sft_rows(2))
+    ga = 2 * sp_size // world
+    record = {}
+    common = dict(output_dir=out, per_device_train_batch_size=1, max_steps=1, learning_rate=1e-2, logging_steps=1,
+                  save_strategy="no", report_to=[], seed=0, lr_scheduler_type="constant", disable_tqdm=True,
+                  use_cpu=True, bf16=False, activation_checkpointing=False, max_length=128,
+                  gradient_accumulation_steps=ga)
+    if ulysses:
+        from ulysses_lc.parallel.distributed import init_distributed
+
+        init_distributed()
+        trainer = UlyssesSFTTrainer(model=build("qwen3_moe", vocab_size=len(tokenizer), **MOE),
+                                    args=SFTConfig(deepspeed=DS, **common), train_dataset=ds,
+                                    processing_class=tokenizer, sp_size=sp_size)
+        with first_step_grads(record):
+            trainer.train()
+        grads = {SequenceParallelCausalLM.plain_name(n): g for n, g in record["grads"].items()}
+    else:
+        class Grads(TrainerCallback):  # unclipped (max_grad_norm 0), as first_step_grads takes DeepSpeed's
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                record.setdefault("grads", {n: p.grad.clone() for n, p in model.named_parameters()})
+
+        trainer = SFTTrainer(model=build("qwen3_moe", vocab_size=len(tokenizer), **MOE),
+                             args=SFTConfig(max_grad_norm=0.0, **common), train_dataset=ds,
+                             processing_class=tokenizer, callbacks=[Grads()])
+        trainer.train()
+        grads = record["grads"]
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], grads
+
+
+def test_sft_trainer_weighs_the_router_loss_as_trl(tmp_path):
+    # TRL's SFTTrainer averages the MoE router term over the step's micro steps and DP ranks where the plain Trainer
+    # sums it: the swap follows TRL (sp 2 with accumulation 2, and two DP ranks): the first step's gradients within
+    # 1e-4 (relative norm), the routers' included, against TRL's own SFTTrainer on one process.
+    (plain,) = run_distributed(sft_moe_worker, 1, 1, str(tmp_path / "plain"), False)
+    runs = run_shared(sft_moe_worker, 2, 2, str(tmp_path / "sp2"), True, kind="trainer")
+    runs += run_shared(sft_moe_worker, 2, 1, str(tmp_path / "dp2"), True, kind="trainer")
+    assert any("router" in n or "gate" in n for n in plain[1])
+    for _, grads in runs:
+        assert_grads_close(grads, plain[1])

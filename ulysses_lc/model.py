@@ -269,7 +269,7 @@ class SequenceParallelCausalLM(nn.Module):
             self.attention.expected_bounds = None
 
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None, per_token=False,
-                token_mask=None, num_items_in_batch=None):
+                token_mask=None, num_items_in_batch=None, router_scale=1.0):
         """The sequence's loss, the same on every SP rank: the mean token cross-entropy over the valid labels of
         the whole sequence, plus, where config.output_router_logits is on (MoE), router_aux_loss_coef x the
         routers' load-balancing loss of the whole sequence, as transformers' `outputs.loss` (objectives/
@@ -282,6 +282,8 @@ class SequenceParallelCausalLM(nn.Module):
         num_items_in_batch: the token cross-entropy is the sequence's summed token losses over this count instead of
             its own (the valid labels of the optimizer step, as transformers' Trainer passes it to a model: token
             weighting across gradient accumulation and DP, docs/weighting.md); the router term is unchanged by it.
+        router_scale: the router term's weight (1: transformers' outputs.loss); TRL's SFTTrainer averages the term over
+            the step's micro steps and DP ranks, which its swap asks for here (integrations/hf_trainer.py).
         documents: an int (preference training): the [documents] summed log-probabilities of the first packed
             documents' labels instead, the same on every SP rank (preference.py).
         per_token: (evaluation, under no_grad) this rank's slice scored row by row (`token_scores`), no router loss.
@@ -311,7 +313,7 @@ class SequenceParallelCausalLM(nn.Module):
         if router_sums is not None:
             aux_loss = router_sums.aux_loss(self.layout, loss.device)
             self.last_aux_loss = aux_loss.detach()
-            loss = loss + self.router_loss.coef * aux_loss
+            loss = loss + router_scale * self.router_loss.coef * aux_loss
         return loss
 
     def token_scores(self, hidden_bse: torch.Tensor, labels_bs: torch.Tensor):

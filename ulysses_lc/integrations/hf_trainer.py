@@ -223,6 +223,10 @@ class UlyssesTrainerMixin:
         # The wrapper's forward takes num_items_in_batch, as a transformers model does (module docstring); DPO's loss
         # is TRL's per-pair mean.
         self.model_accepts_loss_kwargs = self._sft_loss
+        # The MoE router term: the plain Trainer sums it over the step's micro steps and DP ranks, TRL's SFTTrainer
+        # averages it over them (compute_loss follows the parent class).
+        self._router_mean = any(c.__name__ == "SFTTrainer" and c.__module__.startswith("trl.")
+                                for c in type(self).__mro__)
         self._planned = False
         self._micro_steps = 0  # training_step calls, for the per-rank seed (distributed.seed_step)
         self._after_parent_init()
@@ -314,6 +318,12 @@ class UlyssesTrainerMixin:
             inputs["cu_seqlens"] = torch.tensor(inputs["cu_seqlens"], dtype=torch.int32)
         if num_items_in_batch is not None:
             inputs["num_items_in_batch"] = num_items_in_batch
+            if self._router_mean:
+                # TRL's SFTTrainer adds the router term / the accumulation steps, left out of its x world size, and
+                # DDP averages it over ranks: the step's mean of it. Here the loss is x dp_size below, and ZeRO-3
+                # averages over all ranks (docs/weighting.md).
+                dp = self.layout.dp_size if self.args.average_tokens_across_devices else 1
+                inputs["router_scale"] = 1.0 / (getattr(self, "current_gradient_accumulation_steps", 1) * dp)
         loss = model(**inputs)
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             # The Trainer multiplies by its world size, undoing DDP's mean over ranks; ZeRO-3 here averages over all
