@@ -8,6 +8,7 @@ retries take 25-40 s per rank to give up.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import socket
@@ -47,12 +48,29 @@ def _hub_kwargs(name: str) -> dict:
     return {"local_files_only": True} if not Path(name).exists() and hub_offline() else {}
 
 
+def looks_local(name: str) -> bool:
+    """Whether --model `name` can only mean a folder: ./x, ../x, /x, ~/x, or two separators (a hub name has one)."""
+    return name.startswith(("./", "../", "/", "~")) or name.replace(os.sep, "/").count("/") >= 2
+
+
+def _missing_folder(name: str) -> str:
+    folder = Path(name).expanduser()
+    parent = folder.absolute().parent
+    near = [p.name for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
+    close = difflib.get_close_matches(folder.name, near, n=1)
+    hint = (f"did you mean --model {os.path.join(os.path.dirname(name), close[0])}?" if close else
+            "pass the folder that holds the model's config.json, a hub name (org/name), or tiny.")
+    return f"--model {name}: no such folder ({folder.absolute()} does not exist); {hint}"
+
+
 def load_model_config(name: str):
     """The model's config (no weights), or a ValueError that says whether the name or the network is wrong."""
     if name in TINY_MODELS:
         from ..tiny import tiny_model_config
 
         return tiny_model_config(name)
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise ValueError(_missing_folder(name))  # transformers would take it for a hub name: a hub or network error
     from transformers import AutoConfig
 
     try:
