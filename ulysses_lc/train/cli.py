@@ -60,9 +60,14 @@ def main(argv=None) -> None:
                     print(e.report, flush=True)
                 raise
             return
+        from .config import AlreadyTrained
         from .loop import train
 
-        train(cfg)
+        try:
+            train(cfg)
+        except AlreadyTrained as e:  # found by every rank's checks: nothing started, no failure to report
+            if job_watch.speaks_for_node():
+                print(str(e), flush=True)
         trained = True
         destroy_distributed()
     except SystemExit:

@@ -33,6 +33,11 @@ class CheckFailed(ValueError):
         self.origin = origin
 
 
+class AlreadyTrained(CheckFailed):
+    """--resume of a run whose checkpoint already reached --steps: nothing to train, nothing written (cli.main says
+    so and exits 0)."""
+
+
 @contextlib.contextmanager
 def as_check_failed():
     """A ValueError raised inside becomes a CheckFailed: a user mistake, agreed across ranks (job_watch.start)."""

@@ -21,7 +21,7 @@ from ..peft_support import count_trainable_parameters, lora_config
 from ..levers.yarn import plan_rope
 from ..parallel.zero_reshard import check_complete
 from .loading import hub_offline, load_model_config
-from .config import CheckFailed, as_check_failed
+from .config import AlreadyTrained, CheckFailed, as_check_failed
 from .run_state import CHECKPOINT_DIR, check_output_dir, latest_tag, saved_layout
 from .settings import RunSettings
 
@@ -75,7 +75,8 @@ def raise_agreed(failure: BaseException | None, outcomes: list, table) -> None:
     if table.rank == first and not is_check:
         raise failure
     if all(o == outcomes[first] for o in outcomes):
-        raise CheckFailed(message)  # every rank found the same: no rank to name
+        # every rank found the same: no rank to name; its own error keeps its kind (AlreadyTrained exits 0)
+        raise failure if isinstance(failure, CheckFailed) else CheckFailed(message)
     others = f"; ranks {', '.join(map(str, failed))} failed their checks" if len(failed) > 1 else ""
     raise CheckFailed(message, origin=f"{table.where(first)}{others}")
 
@@ -94,6 +95,11 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
         raise ValueError(f"--seq-len {stream.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
     out = None if run.dry_run else _check_output(run.output)
     saved = saved_layout(out, int(os.environ.get("RANK", "0"))) if run.output.resume and out is not None else None
+    if saved is not None and saved["step"] >= run.optim.steps:
+        raise AlreadyTrained(
+            f"{out} already reached step {saved['step']} (--steps {run.optim.steps}): nothing to train, and its "
+            f"checkpoint, export and run.json stay as they are. To train on, pass --resume with a larger --steps "
+            f"(e.g. --steps {saved['step'] + run.optim.steps}); the schedule then continues from the factor reached.")
     if saved is not None and saved["world_size"] != world_size:
         # Every old rank's ZeRO-3 file is read to reshard: missing ones fail here, on every rank, in seconds.
         check_complete(out / CHECKPOINT_DIR / latest_tag(out), saved["world_size"])
