@@ -20,6 +20,7 @@ from ..parallel.layout import ParallelLayout
 from ..peft_support import count_trainable_parameters, lora_config
 from ..levers.yarn import plan_rope
 from ..parallel.zero_reshard import check_complete
+from .checkpoint_files import verify
 from .loading import hub_offline, load_model_config
 from .config import AlreadyTrained, CheckFailed, as_check_failed
 from .run_state import CHECKPOINT_DIR, check_output_dir, latest_tag, saved_layout
@@ -96,10 +97,7 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
     out = None if run.dry_run else _check_output(run.output)
     saved = saved_layout(out, int(os.environ.get("RANK", "0"))) if run.output.resume and out is not None else None
     if saved is not None and saved["step"] >= run.optim.steps:
-        raise AlreadyTrained(
-            f"{out} already reached step {saved['step']} (--steps {run.optim.steps}): nothing to train, and its "
-            f"checkpoint, export and run.json stay as they are. To train on, pass --resume with a larger --steps "
-            f"(e.g. --steps {saved['step'] + run.optim.steps}); the schedule then continues from the factor reached.")
+        _refuse_trained(out, saved["step"], run.optim.steps)
     if saved is not None and saved["world_size"] != world_size:
         # Every old rank's ZeRO-3 file is read to reshard: missing ones fail here, on every rank, in seconds.
         check_complete(out / CHECKPOINT_DIR / latest_tag(out), saved["world_size"])
@@ -136,6 +134,17 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
         _, trainable = count_trainable_parameters(model_config, peft_config)
     return Checked(out, ds_config, model_config, sp_size, world_size, peft_config, trainable, global_batch, saved,
                    rope.summary)
+
+
+def _refuse_trained(out: Path, step: int, steps: int) -> None:
+    """AlreadyTrained where `out`'s checkpoint at `step` reached --steps and every file of it checks against its
+    manifest (a damaged one is the load's to name, which then resumes an older checkpoint and trains on)."""
+    if verify(out / CHECKPOINT_DIR / f"step{step}"):
+        return
+    raise AlreadyTrained(
+        f"{out} already reached step {step} (--steps {steps}): nothing to train, and its checkpoint, export and "
+        f"run.json stay as they are. To train on, pass --resume with a larger --steps (e.g. --steps {step + steps}); "
+        "the schedule then continues from the factor reached.")
 
 
 def _global_batch(given: int | None, layout: ParallelLayout, saved: dict | None) -> int:
