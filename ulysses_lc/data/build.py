@@ -85,7 +85,8 @@ def build_token_stream(
         stream_id = digest({"source": identity})
         used = tokens[:want]
         # Hashed only when a checkpoint is written or resumed (reading every id the run uses).
-        stream = TokenStream(used, seq_len, stream_id=stream_id, content=lambda: token_chain(used))
+        stream = TokenStream(used, seq_len, stream_id=stream_id, content=lambda: token_chain(used),
+                             stats={"requested_tokens": want})
         _warn_if_short(stream, want)
         return stream
 
@@ -138,7 +139,7 @@ def build_token_stream(
     if "doc_lengths" in arrays:
         documents = WindowDocuments(arrays["doc_lengths"], arrays["doc_starts"], arrays["padding"])
     stream = TokenStream(tokens, seq_len, stream_id=stream_id, cache_hit=hit, cache_path=paths.tokens,
-                         mask=arrays.get("mask"), documents=documents, content=meta["content"])
+                         mask=arrays.get("mask"), documents=documents, content=meta["content"], stats=meta)
     _warn_if_short(stream, want)
     return stream
 
@@ -262,7 +263,7 @@ def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_c
             arrays = {"tokens": packed.tokens, "mask": packed.mask, "doc_lengths": packed.doc_lengths,
                       "doc_starts": packed.doc_starts, "padding": packed.padding}
             padding = int(packed.padding.sum())
-            stats.update(windows=len(packed.padding), padding_tokens=padding,
+            stats.update(windows=len(packed.padding), padding_tokens=padding, split_samples=packed.split_samples,
                          documents=int(len(packed.doc_lengths) - np.count_nonzero(packed.padding)))
         else:
             arrays = _join(samples, want, bar)
@@ -289,11 +290,17 @@ def _join(samples, want: int, bar) -> dict:
     return {"tokens": tokens, "mask": mask, "documents": count}
 
 
+class DataRepeats(UserWarning):
+    """The source holds fewer tokens than the run asked for: its windows repeat (the main job says so in its data
+    line instead)."""
+
+
 def _warn_if_short(stream: TokenStream, want: int) -> None:
     if stream.num_tokens < want:
         warnings.warn(
             f"the source has {stream.num_tokens:,} tokens, fewer than the {want:,} the run asked for: "
             f"the data repeats after {len(stream)} steps",
+            DataRepeats,
             stacklevel=3,
         )
 

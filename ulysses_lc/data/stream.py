@@ -59,6 +59,8 @@ class TokenStream:
     documents: the packed windows' document lengths (None: not packed).
     content: the chain of digests of what the stream was built from (`content.ContentChain`), or a callable that
         computes it when first needed; a checkpoint keeps it and a resume compares (None: not known).
+    stats: what the build found, as its cache's meta file records it (sample_format, loss_on_resolved, documents,
+        windows, padding_tokens, split_samples, requested_tokens; each absent where it does not apply).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class TokenStream:
         mask: np.ndarray | None = None,
         documents: WindowDocuments | None = None,
         content=None,
+        stats: dict | None = None,
     ):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
@@ -88,6 +91,7 @@ class TokenStream:
         self.mask = mask
         self.documents = documents
         self._content = content
+        self.stats = stats or {}
 
     @property
     def content(self) -> list | None:

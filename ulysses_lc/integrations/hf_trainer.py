@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -190,6 +191,10 @@ class UlyssesTrainerMixin:
         seq_len = seq_len or (max_length and max_length * self._documents_per_row)
         self._check_setup(training_args, model if isinstance(model, torch.nn.Module) else None, kwargs, seq_len)
         init_distributed()
+        # The parent makes output_dir on rank 0; a run that saves nothing in it takes it away again (train()).
+        output_dir = Path(getattr(training_args, "output_dir", None) or ".")
+        self._made_dirs = [d for d in (output_dir, output_dir.parent) if not d.exists()] \
+            if torch.distributed.get_rank() == 0 else []
         # Before the parent's __init__, which hands a DPO reference model to DeepSpeed (hf_dpo.py wraps it first).
         layout = ParallelLayout.build(_sp_size_from(training_args, sp_size), placement=sp_placement)
         super().__init__(*args, **self._parent_kwargs(layout, kwargs, levers or {}))
@@ -231,8 +236,15 @@ class UlyssesTrainerMixin:
 
     # -- DeepSpeed gets our mpu wherever the Trainer may initialise it --
     def train(self, *args, **kwargs):
-        with deepspeed_initialize_with_mpu(self.layout):
-            return super().train(*args, **kwargs)
+        try:
+            with deepspeed_initialize_with_mpu(self.layout):
+                return super().train(*args, **kwargs)
+        finally:
+            for folder in self._made_dirs:  # made by the Trainer and left empty (save_strategy "no"): no leftovers
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty (a checkpoint, logs) or gone: kept as it is
+                    pass
 
     def evaluate(self, *args, **kwargs):
         with deepspeed_initialize_with_mpu(self.layout):

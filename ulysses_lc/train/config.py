@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import os
+import re
 from dataclasses import dataclass
 
 from ..mixers.explicit_attention import valid_head_groups
 from ..mixers.kernels import KERNELS
 from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
+from .launcher import LAUNCH_FIELDS, add_launch_flags
 from .schedule import SCHEDULES
 
 TINY = "tiny"
@@ -213,10 +217,25 @@ def _head_groups(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: give 'auto' or a whole number of groups") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a flag is one line that names the closest flag to a mistyped one, printed
+    by rank 0 only: every rank parses the same command line, and each printed its own usage block."""
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) != 0:
+            self.exit(2)
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        unknown = [w for w in re.findall(r"(--?[\w-]+)", message.partition("unrecognized arguments:")[2])]
+        close = {w: difflib.get_close_matches(w.replace("_", "-"), flags, n=1, cutoff=0.6) for w in unknown}
+        hints = "".join(f"; did you mean {c[0]} (for {w})?" for w, c in close.items() if c)
+        # One line, no usage block (36 lines, which buried the cause): --help has the flags.
+        self.exit(2, f"{self.prog}: error: {message}{hints} (--help lists every flag)\n")
+
+
 def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     """The main job's flags; each defaults to None where `parse_args` fills it from the (tiny) defaults."""
     d = TrainConfig()
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = TINY_DEFAULTS
     p.add_argument("--model", help=f"hub name or local folder, or an embedded model: {', '.join(TINY_MODELS)} (default "
                                    f"{d.model}; tiny without GPUs)")
@@ -331,6 +350,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "stops at the next step boundary and saves a checkpoint; past this many seconds it exits "
                         f"without one (default {d.stop_grace_s:g}: launchers SIGKILL their ranks 30 s after SIGTERM)")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    add_launch_flags(p)  # main() takes them before this parser (launcher.split); listed here for --help
     return p
 
 
@@ -341,6 +361,10 @@ def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
+    launch = [f"--{f.replace('_', '-')}" for f in LAUNCH_FIELDS if args.pop(f) is not None]
+    if launch:
+        raise ValueError(f"{', '.join(launch)} start the job's ranks: give them to ulysses-lc-train (or "
+                         "ulysses_lc.train.main), which launches; a TrainConfig is one rank's job.")
     no_gpu = not torch.cuda.is_available()
     tiny = args["model"] in TINY_MODELS or (args["model"] is None and no_gpu)
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
@@ -354,5 +378,6 @@ def _given(argv) -> tuple[str, ...]:
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     given = vars(parser.parse_args(argv))
-    given.pop("local_rank", None)
+    for field in ("local_rank", *LAUNCH_FIELDS):
+        given.pop(field, None)
     return tuple(sorted(given))

@@ -18,14 +18,15 @@ import math
 import os
 import re
 import time
+import warnings
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ..data import build_token_stream, check_source, pad_token_id
-from ..parallel.distributed import init_distributed, seed_step, world_size
+from ..data import DataRepeats, build_token_stream, check_source, pad_token_id
+from ..parallel.distributed import init_distributed, seed_step, share_cpu_threads, world_size
 from ..parallel.layout import ParallelLayout
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
@@ -35,7 +36,8 @@ from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_chec
                         save_checkpoint, write_run_file)
 from .config import TrainConfig
 from .checkpoint_files import agree_on_write, finite_state, write_failure
-from .console import RunLogger, layout_line, startup_block
+from .console import (RunLogger, data_line, first_step_line, layout_line, pairs_line, progress_bars_off, startup_block,
+                      summary, unmade_on_failure)
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
 from .export import EXPORT_DIR, export_hf_model
@@ -99,6 +101,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
+    threads = share_cpu_threads()  # each rank its share of the node's cores, before any heavy work
     layout = ParallelLayout.build(checked.sp_size, placement=run.parallel.placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
     model_settings, stream_settings, output, optim = run.model, run.stream, run.output, run.optim
@@ -117,6 +120,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     if output.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
         check_output_dir(out, output.resume)
     run_files = folder_owner(out, layout)
+    stepped = []  # the steps of this run that ended: once one has, its folder is kept whatever comes after
+    held.push(unmade_on_failure(out, run_files.writes, stepped))  # before the lock: removed after its release
     held.enter_context(hold_run_folder(out, run_files.writes, layout))  # a second job on this folder stops here
     cache_files = folder_owner(stream_settings.cache_dir, layout)
     if rank0:
@@ -127,17 +132,24 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     tokenizer = load_tokenizer(model_settings.name)
     if dpo:  # every pair read and checked (length, completion tokens) before any weight loads
         stream = build_pair_stream(stream_settings, tokenizer)
+        data = pairs_line(stream_settings.source, stream, stream_settings.shape.packing, steps, global_batch)
     else:
         shape = stream_settings.shape.kwargs()
         # A missing path, column or completion fails here, on the first rows, before any weights load.
         check_source(stream_settings.source, tokenizer, seq_len=seq_len, **shape)
-        stream = build_token_stream(
-            stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
-            cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DataRepeats)  # the data line says it
+            stream = build_token_stream(
+                stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
+                cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
+            )
+        data = data_line(stream_settings.source, stream, stream_settings.shape, steps, global_batch)
 
     _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
+    if rank0:  # tens of seconds of silence otherwise, more for a large model
+        logger.info("loading the weights of %s%s", model_settings.name,
+                    f", ZeRO-3 partitioned over {world} ranks" if world > 1 else "")
     hf_model = load_model(model_settings.name, model_config, model_settings.dtype, run.seed, device, ds_config,
                           checked.peft_config)
     model = SequenceParallelCausalLM(hf_model, layout, kernel=model_settings.kernel,
@@ -152,6 +164,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             params, lr=optim.lr, weight_decay=optim.weight_decay, fused=device.type == "cuda"
         )
     schedule = Schedule(optim)  # a function of this object, not the object: LambdaLR would save and load its fields
+    if rank0:
+        logger.info("starting DeepSpeed's ZeRO-3 engine%s", " and the DPO reference model"
+                    if dpo and run.objective.reference == "copy" else "")
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
@@ -179,8 +194,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     if rank0:
         logger.info(startup_block(
             out=out, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
-            num_params=num_params, kernel=model_settings.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
-            limits_line=limits_line, deltanet=model.deltanet,
+            num_params=num_params, kernel=_kernel_named(model_settings.kernel, model.attention.kernel), plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
+            limits_line=limits_line, deltanet=model.deltanet, threads=threads, data=data,
             node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
                                              "(another process on this GPU?), which the dry run's plan needs"))
@@ -230,9 +245,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         wandb_run=_start_wandb(output.wandb_project, run.flags, out) if rank0 and output.wandb_project else None,
     ) as step_logger:
         for step in range(start_step, steps):
-            if step == start_step and rank0 and (model.deltanet or "").startswith("fla"):
-                logger.info("step %d: the first; fla autotunes its gated DeltaNet kernels in it (minutes on a fresh "
-                            "machine; Triton's cache keeps the result for the next run)", step + 1)
+            if step == start_step and rank0 and (first := first_step_line(model.deltanet, device)):
+                logger.info(first.replace("step 1:", f"step {step + 1}:"))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
@@ -283,6 +297,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             if record is not None:
                 records.append(record)
             done = step + 1
+            stepped.append(done)
             # The loss is the same on every rank (SP-reduced, then the DP mean) and the norm is global, so every
             # rank stops here together.
             if not math.isfinite(loss_value) or (grad_norm is not None and not math.isfinite(grad_norm)):
@@ -309,11 +324,17 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                               f"{latest_checkpoint(out)} written: --resume --output-dir {out} continues", stop.code)
 
     if output.export:
-        export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=output.export_merged)
+        with progress_bars_off():
+            export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=output.export_merged)
     if rank0:
-        logger.info("done: %d steps in %s (checkpoint %s%s)", steps, out, latest_checkpoint(out),
-                    f", Hugging Face model {out / EXPORT_DIR}" if output.export else "")
+        logger.info(summary(out=out, records=records, steps=steps, start_step=start_step, checkpoint=latest_checkpoint(out),
+                            export=out / EXPORT_DIR if output.export else None, tensorboard=output.tensorboard))
     return records
+
+
+def _kernel_named(asked: str, resolved: str) -> str:
+    """The kernel as the block names it: the one that runs, and what was asked where that differs (auto)."""
+    return resolved if asked == resolved else f"{asked}: {resolved}"
 
 
 def _stop_before_start(stop: StopRequest, layout: ParallelLayout, device, out: Path, resume: bool) -> None:
