@@ -20,7 +20,7 @@ from ..parallel.layout import ParallelLayout
 from ..peft_support import count_trainable_parameters, lora_config
 from ..levers.yarn import plan_rope
 from ..parallel.zero_reshard import check_complete
-from .checkpoint_files import verify
+from .checkpoint_files import read_manifest, verify
 from .loading import hub_offline, load_model_config
 from .config import AlreadyTrained, CheckFailed, as_check_failed
 from .run_state import CHECKPOINT_DIR, check_output_dir, latest_tag, saved_layout
@@ -138,8 +138,9 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
 
 def _refuse_trained(out: Path, step: int, steps: int) -> None:
     """AlreadyTrained where `out`'s checkpoint at `step` reached --steps and every file of it checks against its
-    manifest (a damaged one is the load's to name, which then resumes an older checkpoint and trains on)."""
-    if verify(out / CHECKPOINT_DIR / f"step{step}"):
+    manifest (a damaged one, or one without a manifest, is the load's to name: it resumes an older one and trains on)."""
+    tag = out / CHECKPOINT_DIR / f"step{step}"
+    if verify(tag) or read_manifest(tag) is None:
         return
     raise AlreadyTrained(
         f"{out} already reached step {step} (--steps {steps}): nothing to train, and its checkpoint, export and "
