@@ -2,7 +2,8 @@
 
 import torch
 from transformers import (
-    AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig,
+    AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 97
@@ -30,6 +31,8 @@ def tiny_config(family: str, **overrides):
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
             mlp_only_layers=[], **common,
         )
+    if family == "mixtral":  # Mixtral-style MoE without a window
+        return MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
     if family in LINEAR_FAMILIES:
         return linear_config(family, common)
     window = dict(sliding_window=common.pop("sliding_window", WINDOW))

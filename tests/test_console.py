@@ -26,6 +26,20 @@ def _no_heavy_work(monkeypatch):
 
 
 BASE = TrainConfig(model="tiny", data="tiny", seq_len=256, steps=1, output_dir="run")
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def one_process(monkeypatch):
+    """Each test a job of one process, as plain `python` starts it: no launcher's variables (an earlier in-process run
+    left its own), and no process group left behind for the tests after it."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.setenv(name, "")  # recorded, so that what a run sets is undone after the test
+        monkeypatch.delenv(name)
+    yield
+    from ulysses_lc.parallel.distributed import destroy_distributed
+
+    destroy_distributed()
 
 
 # -- messages that lead somewhere ------------------------------------------------------------------------------
@@ -35,7 +49,6 @@ def test_deepspeed_config_keys_unknown_to_deepspeed_are_named_with_the_closest_b
     ZeRO key failed with DeepSpeed's pydantic error after the weights loaded and the run folder was made."""
     _no_heavy_work(monkeypatch)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     typo = tmp_path / "typo.json"
     typo.write_text(json.dumps({"zero_optimisation": {"stage": 3}}))
     nested = tmp_path / "nested.json"
@@ -118,7 +131,6 @@ def test_resume_of_a_run_that_reached_its_steps_says_so_and_writes_nothing(tmp_p
     monkeypatch.setattr(cli, "_fail", fail)
     main = cli.main
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = ["--model", "tiny", "--steps", "1", "--seq-len", "256", "--output-dir", "run", "--cache-dir", "cache"]
     main(args)
     written = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*") if p.is_file()}
@@ -224,7 +236,6 @@ def test_a_run_says_its_threads_data_and_slow_stages_and_ends_with_a_summary(tmp
     from ulysses_lc.data import DataRepeats
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     omp, threads = os.environ.pop("OMP_NUM_THREADS", None), torch.get_num_threads()
     (tmp_path / "book.txt").write_text("a plain book of ascii text. " * 25)  # 700 tokens: 2 windows of 256
     caplog.set_level(logging.INFO, logger="ulysses_lc")
@@ -263,7 +274,6 @@ def test_a_run_that_never_started_leaves_no_folder_behind(tmp_path, monkeypatch)
     import ulysses_lc.train.loop as loop
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     load = loop.load_model
 
     def out_of_memory(*args, **kwargs):
@@ -319,7 +329,7 @@ def test_the_launcher_ends_with_the_jobs_last_word_and_waits_for_its_ranks_on_ct
 
     from tests.test_run import _env
 
-    env = _env()
+    env = {k: v for k, v in _env().items() if k not in LAUNCH_VARIABLES}  # the launcher's own job, not a rank of one
     env.pop("OMP_NUM_THREADS")  # the ranks take their share of the cores themselves
     main = [sys.executable, "-m", "ulysses_lc.train", "--nproc-per-node", "2"]
     typo = subprocess.run([*main, "--seq_len", "256"], cwd=tmp_path, env=env, capture_output=True, text=True,

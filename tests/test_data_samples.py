@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test here may reach the network
 
@@ -118,6 +119,93 @@ def test_conversational_prompt_completion(tiny_unmarked, tmp_path):
     stream = build(path, tok, 40, len(ids) // 40, tmp_path)
     n = 40 * len(stream)
     assert whole(stream) == (ids[:n], labels[:n])
+
+
+# A chat template that reads what TRL passes from a row: its tools (written out before the conversation) and a
+# chat_template_kwargs variable (enable_thinking=False writes an empty thought block before each answer, Qwen3's way).
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}{{- '<|tools|>\\n' + (tools | tojson) + '<|end|>\\n' -}}{%- endif -%}"
+    "{%- set think = '<think></think>' if enable_thinking is defined and not enable_thinking else '' -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|' + message['role'] + '|>\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- think -}}"
+    "{% generation %}{{- message['content'] + '<|end|>' -}}{% endgeneration %}"
+    "{%- else -%}{{- message['content'] + '<|end|>' -}}{%- endif -%}"
+    "{{- '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' + think -}}{%- endif -%}"
+)
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def tools_tokenizer():
+    """The tiny tokenizer with TOOLS_TEMPLATE."""
+    tok = tiny_tokenizer()
+    tok.chat_template = TOOLS_TEMPLATE
+    return tok
+
+
+def tools_rows(i, tools_as_text=False):
+    """A conversation with tools and enable_thinking (off on even rows), as `messages`."""
+    user = {"role": "user", "content": f"Weather in city {i}?" + " please" * (i % 3)}
+    answer = {"role": "assistant", "content": f"Sunny, {10 + i} degrees."}
+    return {"messages": [user, answer], "tools": json.dumps(TOOLS) if tools_as_text else TOOLS,
+            "chat_template_kwargs": {"enable_thinking": bool(i % 2)}}
+
+
+def trl_sft_rows(tok, dataset, **sft_args):
+    """TRL 1.16's SFTTrainer's own tokenization of `dataset`: (input_ids, labels) per row."""
+    from accelerate.state import AcceleratorState
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.models import build
+
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, use_cpu=True, bf16=False, report_to=[], max_length=None, **sft_args)
+        trainer = SFTTrainer(model=build("qwen3", vocab_size=len(tok)), args=args, processing_class=tok,
+                             train_dataset=dataset)
+        rows = [(r["input_ids"], r["labels"]) for r in trainer.train_dataset]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return rows
+
+
+def test_samples_are_trls_tokens_with_the_rows_tools_and_template_kwargs():
+    # Token for token against TRL's SFTTrainer on the same rows: chat (messages, tools as JSON text, marked template,
+    # TRL's assistant_only_loss), conversational prompt/completion (tools as a list), and plain text and
+    # prompt/completion. The one difference is ours by design: a sample ends with the EOS, appended (and trained after
+    # a trained token) where the rendering does not end with it; TRL appends it to plain rows only.
+    pytest.importorskip("trl")
+    from ulysses_lc.data.samples import detect_format, iter_samples
+
+    tok = tools_tokenizer()
+    eos = tok.eos_token_id
+    chats = [tools_rows(i, tools_as_text=True) for i in range(4)]
+    prompt_completion = [{"prompt": r["messages"][:1], "completion": r["messages"][1:], "tools": r["tools"],
+                          "chat_template_kwargs": r["chat_template_kwargs"]} for r in map(tools_rows, range(4))]
+    plain_text = [{"text": f"document {i} " * (i + 1)} for i in range(3)]
+    plain_pc = [{"prompt": f"Q{i}: why?", "completion": f" because {i}"} for i in range(3)]
+    cases = [(chats, dict(assistant_only_loss=True)), (prompt_completion, {}), (plain_text, {}), (plain_pc, {})]
+    for raw, sft_args in cases:
+        dataset = datasets.Dataset.from_list(raw)
+        rows = list(dataset)  # the rows as a dataset source gives them (tools as Arrow makes them)
+        fmt = detect_format(rows[0])
+        reference = trl_sft_rows(tok, dataset, **sft_args)
+        ours = list(iter_samples(iter(rows), tok, fmt, "all" if fmt == "text" else "completion"))
+        for (index, ids, mask), (ref_ids, ref_labels) in zip(ours, reference, strict=True):
+            ids, labels = ids.tolist(), labels_of(ids.tolist(), mask)
+            if ref_ids[-1] != eos:
+                ref_ids = [*ref_ids, eos]
+                ref_labels = [*ref_labels, eos if ref_labels[-1] != IGNORE_INDEX else IGNORE_INDEX]
+            assert ids == ref_ids, (fmt, index, tok.decode(ids), tok.decode(ref_ids))
+            assert labels == ref_labels, (fmt, index)
+        if raw is chats:  # the same tokens without the template's marks, the assistant spans found by rendering
+            unmarked = tools_tokenizer()
+            unmarked.chat_template = re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", TOOLS_TEMPLATE)
+            again = list(iter_samples(iter(rows), unmarked, fmt, "completion"))
+            assert [ids.tolist() for _, ids, _ in again] == [ids.tolist() for _, ids, _ in ours]
+            trained = bytes(t for _, ids, mask in again for t, m in zip(ids, mask) if m and t < 256).decode()
+            assert "Sunny" in trained and "weather" not in trained and "think" not in trained
 
 
 def test_csv_and_a_folder_of_jsonl_as_plain_text(tiny, tmp_path):

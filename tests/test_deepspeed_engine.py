@@ -28,14 +28,14 @@ ALL_LEVERS = dict(chunked_loss=16, tiled_mlp=3, checkpointing=True, offload=True
                   plan=MemoryPlan(2, 0, 2))
 
 
-def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family="qwen3"):
+def engine_worker(rank, world_size, sp_size, input_ids, levers=NO_LEVERS, family="qwen3", overrides=None):
     import deepspeed
 
     from ulysses_lc.parallel.distributed import init_distributed
 
     init_distributed("gloo")  # not deepspeed.init_distributed: it would build DeepSpeed's CPU shm op (distributed.py)
     layout = ParallelLayout.build(sp_size)
-    model = SequenceParallelCausalLM(build(family, tie_word_embeddings=True), layout, **levers)
+    model = SequenceParallelCausalLM(build(family, tie_word_embeddings=True, **(overrides or {})), layout, **levers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=check_deepspeed_config(CONFIG, layout), mpu=layout.mpu
@@ -87,3 +87,12 @@ def test_zero3_sp2_hybrid_all_levers_matches_one_rank_plain():
     input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
     (single,) = run_shared(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_next", kind="deepspeed")
     assert_same_run(run_shared(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_next", kind="deepspeed"), single)
+
+
+def test_zero3_sp2_router_loss_all_levers_matches_one_rank_plain():
+    # The MoE router loss on (test_router_loss.py holds our one-rank plain run to transformers'): under ZeRO-3 the
+    # routers' hooks run inside the tiled MLP's leaf modules and the checkpointed layers, whose weights it gathers.
+    input_ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(2))
+    moe = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+    (single,) = run_shared(engine_worker, 1, 1, input_ids, NO_LEVERS, "qwen3_moe", moe, kind="deepspeed")
+    assert_same_run(run_shared(engine_worker, 2, 2, input_ids, ALL_LEVERS, "qwen3_moe", moe, kind="deepspeed"), single)

@@ -87,6 +87,107 @@ def test_dpo_precomputed_reference_trains_as_the_copy_and_is_read_back_from_the_
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_dpo_precomputed_reference_is_keyed_on_the_weights_not_the_folders_name(tmp_path):
+    # The SFT-then-DPO flow: a folder trained with a precomputed reference, then overwritten in place with other
+    # weights (this run's export, copied over with its mtimes, as cp -p would). The second run's reference must be
+    # the new weights, so its first loss is ln 2 (policy == reference), not a loss against the old reference.
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_lc.tiny import tiny_model_config, tiny_tokenizer
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_model_config("tiny")).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    cfg = dpo_config(tmp_path, model=str(folder), steps=2, lr=1e-2, dpo_reference="precomputed", packing=True)
+    first = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+    assert first[0]["loss"] == pytest.approx(np.log(2), abs=1e-6) and first[-1]["reward_margin"] > 0
+    for f in (tmp_path / "run" / EXPORT_DIR).glob("*.safetensors"):
+        shutil.copy2(f, folder / f.name)  # in place: the same file, new bytes, the export's mtime
+    again = run_shared(train_worker, 2, replace(cfg, steps=1, export=False, output_dir=str(tmp_path / "again")),
+                       kind="deepspeed")[0]
+    assert again[0]["loss"] == pytest.approx(np.log(2), abs=1e-6), again[0]
+    assert again[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert len(list((tmp_path / "cache").glob("dpo-reference-*.pt"))) == 2  # the first entry stays for its weights
+
+
+def test_weights_digest_reads_a_file_once_and_sees_every_rewrite(tmp_path):
+    import hashlib
+
+    from ulysses_lc.train.loading import weights_digest
+
+    def expected(*named):
+        return hashlib.sha256(json.dumps([list(n) for n in named]).encode()).hexdigest()
+
+    folder, memo = tmp_path / "model", tmp_path / "memo"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"A" * 64)
+    (folder / "config.json").write_text("{}")  # not weights: the config is keyed as loaded
+    first = weights_digest(str(folder), 0, memo)
+    assert first == expected(("model.safetensors", hashlib.sha256(b"A" * 64).hexdigest()))
+    assert weights_digest(str(folder), 0, memo) == first and len(list(memo.iterdir())) == 1  # read once
+    stat = weights.stat()
+    while weights.stat().st_ctime_ns == stat.st_ctime_ns:  # file times tick coarsely (ms): a write in a later tick
+        weights.write_bytes(b"B" * 64)  # the same size, in place, and the old mtime put back (cp -p, rsync -t)
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_mtime_ns == stat.st_mtime_ns and weights.stat().st_size == stat.st_size
+    assert weights_digest(str(folder), 0, memo) == expected(("model.safetensors", hashlib.sha256(b"B" * 64).hexdigest()))
+    # A hub snapshot's file links to a blob named by its content hash: the name is taken, the bytes are not read.
+    blob = tmp_path / "hub" / "blobs" / ("c" * 64)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"not read")
+    snapshot = tmp_path / "hub" / "snapshots" / ("d" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(blob)
+    assert weights_digest(str(snapshot), 0) == expected(("model.safetensors", "c" * 64))
+    assert weights_digest("tiny", 0) != weights_digest("tiny", 1)
+
+
+def test_packed_pairs_weigh_as_in_trls_batch_over_accumulation_and_dp(tmp_path):
+    # --packing puts one to several pairs into a sequence; global batch 4 on 2 ranks at sp 1 is 2 DP groups x 2 micro
+    # steps. TRL's loss is the mean over its batch's pairs, each pair weighing the same: the first step's gradient
+    # (its norm, which DeepSpeed logs before clipping) must be TRL's on the same pairs, within 1e-4 relative (the SP
+    # model's loss and gradients match plain transformers' to 1e-5 / 1e-4, test_preference.py). Both losses are ln 2
+    # (the reference is a copy of the policy); the gradient is not 0.
+    import datasets
+    import torch
+    from accelerate.state import AcceleratorState
+    from trl import DPOConfig, DPOTrainer
+
+    from ulysses_lc.data import parse_source
+    from ulysses_lc.data.pairs import PairStream
+    from ulysses_lc.tiny import tiny_tokenizer
+    from ulysses_lc.train.loading import load_model
+    from ulysses_lc.train.preflight import preflight
+    from ulysses_lc.train.settings import RunSettings
+
+    cfg = dpo_config(tmp_path, packing=True, sp_size=1, global_batch=4, steps=1, export=False)
+    tokenizer = tiny_tokenizer()
+    stream = PairStream.build(parse_source(cfg.data), tokenizer, cfg.seq_len, packing=True)
+    counts = [len(stream.sample(i)) for i in range(4)]
+    assert len(set(counts)) > 1, counts  # pairs a sequence differ: a mean per sequence would weigh them unevenly
+    (record,) = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+
+    rows = [json.loads(line) for line in open(cfg.data)][: sum(counts)]  # the step's pairs: packed in order
+    config = preflight(RunSettings(replace(cfg, output_dir=str(tmp_path / "trl"))), 2).model_config
+    policy, ref = (load_model("tiny", config, torch.float32, cfg.seed, torch.device("cpu"), {}) for _ in range(2))
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], max_length=None,
+                     beta=cfg.dpo_beta)
+    trainer = DPOTrainer(model=policy.train(), ref_model=ref, args=args, processing_class=tokenizer,
+                         train_dataset=datasets.Dataset.from_list(rows))
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i] for i in
+                                                                       range(len(rows))]))
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in trainer.model.parameters() if p.grad is not None))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    assert record["loss"] == pytest.approx(loss.item(), rel=1e-5) and loss.item() == pytest.approx(np.log(2))
+    assert record["grad_norm"] == pytest.approx(norm.item(), rel=1e-4), (record["grad_norm"], norm.item())
+
+
 def refused_worker(rank, world_size, cfg):
     try:
         train(cfg)

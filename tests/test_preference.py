@@ -164,23 +164,32 @@ def test_pairs_that_cannot_be_exact_are_refused():
 
 
 def test_the_main_jobs_tokenization_of_pairs_is_trls():
-    # Plain and chat rows: ulysses_lc.data.pairs.tokenize_pair gives the ids TRL's DPOTrainer prepares.
+    # Plain and chat rows: ulysses_lc.data.pairs.tokenize_pair gives the ids TRL's DPOTrainer prepares; chat rows also
+    # with their own tools (a list, or its JSON text) and chat_template_kwargs (enable_thinking), which TRL renders.
     import datasets
     from accelerate.state import AcceleratorState
     from trl import DPOConfig, DPOTrainer
 
+    from tests.test_data_samples import tools_rows, tools_tokenizer
     from ulysses_lc.data.pairs import tokenize_pair
 
     chat = [{"prompt": [{"role": "user", "content": "Name a colour."}],
              "chosen": [{"role": "assistant", "content": "Blue."}],
              "rejected": [{"role": "assistant", "content": "Seven, probably."}]}]
-    tokenizer = tiny_tokenizer()
-    for rows in (ROWS, chat):
+    with_tools = [{"prompt": r["messages"][:1], "chosen": r["messages"][1:],
+                   "rejected": [{"role": "assistant", "content": "No idea."}],
+                   **{k: r[k] for k in ("tools", "chat_template_kwargs")}}
+                  for r in (tools_rows(i, tools_as_text=i >= 2) for i in range(4))]
+    cases = [(ROWS, tiny_tokenizer()), (chat, tiny_tokenizer()), (with_tools[:2], tools_tokenizer()),
+             (with_tools[2:], tools_tokenizer())]
+    for rows, tokenizer in cases:
+        dataset = datasets.Dataset.from_list(rows)
         with tempfile.TemporaryDirectory() as out:
             args = DPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to=[], max_length=None)
             trainer = DPOTrainer(model=build("qwen3", **OVERRIDES), ref_model=build("qwen3", **OVERRIDES), args=args,
-                                 processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(rows))
-            for row, prepared in zip(rows, trainer.train_dataset):
-                ours = tokenize_pair(row, tokenizer)
-                assert ours == tuple(prepared[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
+                                 processing_class=tokenizer, train_dataset=dataset)
+            for i, (row, prepared) in enumerate(zip(dataset, trainer.train_dataset, strict=True)):
+                ours = tokenize_pair(row, tokenizer, i)
+                assert ours == tuple(prepared[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")), \
+                    tokenizer.decode(ours[0])
         AcceleratorState._reset_state(reset_partial_state=True)

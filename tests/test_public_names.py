@@ -41,10 +41,12 @@ DOCUMENTED_BEFORE = [
 
 
 def documented_now() -> list[tuple[str, str]]:
-    """(module, name) for each `from ulysses_lc... import name` in examples/*.py and README.md's python blocks."""
+    """(module, name) for each `from ulysses_lc... import name` in examples/*.py and the python blocks of README.md
+    and docs/."""
     sources = [(f.name, f.read_text()) for f in sorted((ROOT / "examples").glob("*.py"))]
-    readme = (ROOT / "README.md").read_text()
-    sources += [(f"README.md block {i}", b) for i, b in enumerate(re.findall(r"```python\n(.*?)```", readme, re.S))]
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+        sources += [(f"{page.name} block {i}", b) for i, b in enumerate(blocks)]
     found = set()
     for where, text in sources:
         for node in ast.walk(ast.parse(text, filename=where)):

@@ -91,9 +91,13 @@ FLOORS = {
     "data": 4,
     "model": 5,  # model.py
     "integrations": 6,
+    "eval": 6,  # evaluation at length: the main job runs it
     "train": 7,
+    "eval_command": 8,  # ulysses-lc-eval: the evaluation of model folders, loading them as the main job does
 }
 GROUND = {"constants", "handle", "layers", "shape", "recompute", "tiny", "peft_support", "moved"}
+# Modules standing on a floor of their own, above their folder's: the command of a part the main job also uses.
+COMMANDS = {"eval.cli": "eval_command", "eval.__main__": "eval_command"}
 
 
 def _part(module: str) -> str | None:
@@ -103,6 +107,8 @@ def _part(module: str) -> str | None:
         return None
     if len(parts) == 1 and parts[0] in GROUND:
         return "ground"
+    if ".".join(parts) in COMMANDS:
+        return COMMANDS[".".join(parts)]
     if parts == ["model"]:
         return "model"
     if parts[0] in FLOORS and parts[0] not in ("ground", "model"):

@@ -15,6 +15,7 @@ The package is laid out by what each part is, lowest floor first; a floor import
   data/          the token stream: sources, tokenize, cache, packing, pairs
   model.py       SequenceParallelCausalLM: the pieces around a HF model; plan_step, plain names
   integrations/  transformers' Trainer, TRL's SFT and DPO trainers, accelerate's engine
+  eval/          evaluation at length: loss by position bucket, passkey retrieval by depth, ulysses-lc-eval
   train/         the main job: flags resolved into each part's settings, checks, loop, checkpoints, export
 
 Every install_* returns a Handle whose undo() gives the model back as it was. The names below are the public
@@ -27,6 +28,7 @@ moved.install()
 
 from .constants import IGNORE_INDEX  # noqa: E402
 from .data import TokenStream, build_token_stream  # noqa: E402
+from .eval import EvalResult, build_haystacks, evaluate  # noqa: E402
 from .handle import Handle  # noqa: E402
 from .levers.checkpointing import CheckpointHandle, install_checkpointing  # noqa: E402
 from .levers.chunked_loss import ChunkedLossHead, chunked_cross_entropy, install_chunked_loss_head  # noqa: E402
@@ -71,6 +73,7 @@ __all__ = [
     "IGNORE_INDEX",
     "CheckpointHandle",
     "ChunkedLossHead",
+    "EvalResult",
     "Handle",
     "LayerRun",
     "MemoryPlan",
@@ -87,11 +90,13 @@ __all__ = [
     "UlyssesAttention",
     "apply_yarn",
     "attention_head_groups",
+    "build_haystacks",
     "build_token_stream",
     "check_deepspeed_config",
     "check_model_for_ulysses",
     "chunked_cross_entropy",
     "document_lengths_from_positions",
+    "evaluate",
     "install_checkpointing",
     "install_chunked_loss_head",
     "install_efficient_rmsnorm",

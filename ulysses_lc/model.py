@@ -9,6 +9,7 @@ re-gather before backward) in charge of the LM head as of any other layer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -23,6 +24,7 @@ from .constants import IGNORE_INDEX
 from .mixers.explicit_attention import explicit_attention, keeps_attention_outputs
 from .parallel.layout import ParallelLayout
 from .objectives.loss import sp_mean_loss
+from .objectives.router_loss import install_router_loss
 from .plan.memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
 from .peft_support import causal_lm, check_peft_model
 from .objectives.preference import document_log_probs
@@ -44,8 +46,9 @@ class SequenceParallelCausalLM(nn.Module):
     """Wraps `model` (a transformers *ForCausalLM, or a peft PeftModel of one) for sequence-parallel training over
     `layout`.
 
-    forward(input_ids, position_ids, labels, cu_seqlens=None) -> loss: mean over the valid tokens of the whole sequence
-    (all SP ranks), identical on each of them; `last_num_tokens` holds the valid-token count (a device
+    forward(input_ids, position_ids, labels, cu_seqlens=None, token_mask=None) -> loss: mean over the valid tokens of
+    the whole sequence (all SP ranks), identical on each of them, plus the MoE routers' load-balancing term where the
+    config has output_router_logits on (forward says how); `last_num_tokens` holds the valid-token count (a device
     tensor, read it after the step). The wrapped model stays a normal HF model (`.model`): save or
     export it as usual, after `undo()` if you want the plain modules back. A PeftModel stays one: the levers act
     on the transformers model under it (`.causal_lm`, peft_support.py), only its trainable parameters take
@@ -98,8 +101,13 @@ class SequenceParallelCausalLM(nn.Module):
         self.shape = ModelShape.from_config(model.config)
         self.offload = offload and checkpointing
         self.last_num_tokens = None
+        self.last_aux_loss = None
         self.levers = []
         lm = causal_lm(model)
+        # The MoE routers' load-balancing loss, where the config asks for it (output_router_logits): None costs nothing.
+        self.router_loss = install_router_loss(lm)
+        if self.router_loss is not None:
+            self.levers.append(self.router_loss)
         context = RecomputeContext()
         # Also at sp_size 1: the attention kernel (and its backend priority) is then ours.
         attention = install_ulysses_attention(lm, layout, kernel, head_groups=attention_head_groups,
@@ -114,7 +122,8 @@ class SequenceParallelCausalLM(nn.Module):
         if chunked_loss:
             self.levers.append(install_chunked_loss_head(lm, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:
-            self.levers.append(install_tiled_mlp(lm, None if tiled_mlp is True else int(tiled_mlp)))
+            self.levers.append(install_tiled_mlp(lm, None if tiled_mlp is True else int(tiled_mlp),
+                                                 router=self.router_loss))
         self.checkpointing = None
         if checkpointing:
             plan = plan or MemoryPlan.everything_checkpointed(self.shape.layers)
@@ -243,6 +252,8 @@ class SequenceParallelCausalLM(nn.Module):
             )
         # Packed documents: their boundaries reach the attention function through transformers' layer kwargs.
         extra = {} if cu_seqlens is None else {"document_bounds": tuple(int(n) for n in cu_seqlens.tolist())}
+        if self.router_loss is not None:  # our hooks sum the router logits layer by layer; transformers would keep them
+            extra["output_router_logits"] = False
         # Every attention call of this forward checks that the borders reached it (a model that drops **kwargs
         # would let the documents attend to each other).
         self.attention.expected_bounds = extra.get("document_bounds")
@@ -253,14 +264,34 @@ class SequenceParallelCausalLM(nn.Module):
         finally:
             self.attention.expected_bounds = None
 
-    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None):
-        """The sequence's mean loss; with `documents` (an int, preference training) the [documents] summed
-        log-probabilities of the first packed documents' labels instead, the same on every SP rank (preference.py)."""
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None, per_token=False,
+                token_mask=None):
+        """The sequence's loss, the same on every SP rank: the mean token cross-entropy over the valid labels of
+        the whole sequence, plus, where config.output_router_logits is on (MoE), router_aux_loss_coef x the
+        routers' load-balancing loss of the whole sequence, as transformers' `outputs.loss` (objectives/
+        router_loss.py). `last_num_tokens` then holds the valid-label count and `last_aux_loss` the load-balancing
+        loss before its coefficient (device tensors, detached; None when off): loss - coef x last_aux_loss is the
+        token loss. One aux term per sequence (per forward), as transformers adds one per forward.
+
+        token_mask: [b, s_local] bool, False on padding (ShardedBatch.token_mask), which the router loss does not
+            count; None: every token counts.
+        documents: an int (preference training): the [documents] summed log-probabilities of the first packed
+            documents' labels instead, the same on every SP rank (preference.py).
+        per_token: (evaluation, under no_grad) this rank's slice scored row by row (`token_scores`), no router loss.
+        """
         if labels is None:
             raise ValueError("labels are required to compute the loss; build the batch with ulysses_lc.shard_batch().")
-        hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
+        if per_token:
+            return self.token_scores(self.hidden_states(input_ids, position_ids, cu_seqlens), labels)
         if documents is not None:
+            if self.router_loss is not None:
+                raise ValueError("config.output_router_logits=True: the preference loss does not add the MoE router's "
+                                 "load-balancing loss; set output_router_logits=False in the model's config.")
+            hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
             return document_log_probs(self, hidden_bse, labels, cu_seqlens, int(documents), self.layout)
+        tally = contextlib.nullcontext() if self.router_loss is None else self.router_loss.tally(token_mask)
+        with tally as router_sums:
+            hidden_bse = self.hidden_states(input_ids, position_ids, cu_seqlens)
         head = self.causal_lm.get_output_embeddings()
         if isinstance(head, ChunkedLossHead):
             loss_sum, n_valid = head(hidden_bse, labels)
@@ -270,7 +301,36 @@ class SequenceParallelCausalLM(nn.Module):
                 logits_bsv = torch.tanh(logits_bsv / cap) * cap
             loss_sum, n_valid = plain_loss_sum(logits_bsv, labels)
         loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout)
+        if router_sums is not None:
+            aux_loss = router_sums.aux_loss(self.layout, loss.device)
+            self.last_aux_loss = aux_loss.detach()
+            loss = loss + self.router_loss.coef * aux_loss
         return loss
+
+    def token_scores(self, hidden_bse: torch.Tensor, labels_bs: torch.Tensor):
+        """(loss_bs fp32, correct_bs bool): each row's cross-entropy and whether its label is the argmax, on this
+        rank's slice, 0 and False where the label is IGNORE_INDEX; no gradient. Only the labelled rows go through the
+        head (a passkey scores a handful of rows of a long sequence): selecting them reads their count on the host,
+        a sync an evaluation can afford. Every rank calls the head once, with or without rows, as ZeRO-3's gather of
+        its weight needs."""
+        with torch.no_grad():
+            valid_t = labels_bs.reshape(-1) != IGNORE_INDEX
+            rows = valid_t.nonzero().squeeze(1)
+            hidden_re = hidden_bse.reshape(-1, hidden_bse.shape[-1]).index_select(0, rows)
+            labels_r = labels_bs.reshape(-1).index_select(0, rows)
+            head = self.causal_lm.get_output_embeddings()
+            if isinstance(head, ChunkedLossHead):
+                loss_r, correct_r = head(hidden_re, labels_r, per_token=True)
+            else:
+                logits_rv, cap = head(hidden_re).float(), final_logit_softcap(self.config)
+                if cap:
+                    logits_rv = torch.tanh(logits_rv / cap) * cap
+                loss_r = F.cross_entropy(logits_rv, labels_r, reduction="none")
+                correct_r = logits_rv.argmax(dim=-1) == labels_r
+            loss_t = torch.zeros(valid_t.shape, dtype=torch.float32, device=hidden_bse.device)
+            correct_t = torch.zeros(valid_t.shape, dtype=torch.bool, device=hidden_bse.device)
+            loss_t[rows], correct_t[rows] = loss_r.float(), correct_r
+            return loss_t.view(labels_bs.shape), correct_t.view(labels_bs.shape)
 
     def undo(self) -> None:
         """Give the wrapped model back as it was (attention implementation and any installed lever)."""

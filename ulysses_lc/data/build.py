@@ -20,7 +20,8 @@ from .stream import TokenStream, WindowDocuments
 from .tokenize import DEFAULT_CHUNK_CHARS, TOKEN_DTYPE, pad_token_id, tokenize_documents, tokenizer_fingerprint
 
 # Bump when sample rendering, masks or packing change, so caches built by the old rules are not reused.
-SAMPLES_VERSION = 1
+# 2: chat rows rendered with their own tools and chat_template_kwargs.
+SAMPLES_VERSION = 2
 
 
 def build_token_stream(
@@ -45,6 +46,7 @@ def build_token_stream(
     progress: bool = True,
     wait_timeout_s: float = 7200.0,
     poll_s: float = 1.0,
+    held_out: int = 0,
 ) -> TokenStream:
     """Read, tokenize and cache `seq_len * num_steps` tokens of `source`; return them as a `TokenStream`.
 
@@ -72,11 +74,15 @@ def build_token_stream(
     seed: which generated books the `tiny` source writes.
     A source with fewer tokens (packed: windows) than `num_steps` windows but at least one is used
     with wrap-around (a warning says after how many steps); none is a ValueError.
+    held_out: this many windows more are read after the run's, and handed out as `stream.held_out` (a TokenStream
+        of their own, for evaluation) instead of as the stream's: its windows, wrapping around, never reach them. A
+        source without them all is a ValueError.
     """
-    if seq_len < 1 or num_steps < 1:
-        raise ValueError(f"seq_len={seq_len} and num_steps={num_steps} must both be >= 1")
+    if seq_len < 1 or num_steps < 1 or held_out < 0:
+        raise ValueError(f"seq_len={seq_len} and num_steps={num_steps} must both be >= 1, held_out={held_out} >= 0")
     src = parse_source(source, seed=seed, data_config=data_config, data_revision=data_revision)
     settings = _sample_settings(src, tokenizer, text_column, loss_on, packing, long_samples, pack_buffer)
+    run_steps, num_steps = num_steps, num_steps + held_out  # everything below reads the held-out windows too
     want = seq_len * num_steps
 
     if src.pretokenized:
@@ -86,9 +92,8 @@ def build_token_stream(
         used = tokens[:want]
         # Hashed only when a checkpoint is written or resumed (reading every id the run uses).
         stream = TokenStream(used, seq_len, stream_id=stream_id, content=lambda: token_chain(used),
-                             stats={"requested_tokens": want})
-        _warn_if_short(stream, want)
-        return stream
+                             stats={"sample_format": "token ids"})
+        return _hold_out(stream, run_steps, held_out, source)
 
     if tokenizer is None:
         raise ValueError(f"source {os.fspath(source)!r} is text: pass the tokenizer of the model being trained")
@@ -140,8 +145,7 @@ def build_token_stream(
         documents = WindowDocuments(arrays["doc_lengths"], arrays["doc_starts"], arrays["padding"])
     stream = TokenStream(tokens, seq_len, stream_id=stream_id, cache_hit=hit, cache_path=paths.tokens,
                          mask=arrays.get("mask"), documents=documents, content=meta["content"], stats=meta)
-    _warn_if_short(stream, want)
-    return stream
+    return _hold_out(stream, run_steps, held_out, source)
 
 
 def check_source(
@@ -295,14 +299,26 @@ class DataRepeats(UserWarning):
     line instead)."""
 
 
-def _warn_if_short(stream: TokenStream, want: int) -> None:
-    if stream.num_tokens < want:
-        warnings.warn(
-            f"the source has {stream.num_tokens:,} tokens, fewer than the {want:,} the run asked for: "
-            f"the data repeats after {len(stream)} steps",
-            DataRepeats,
-            stacklevel=3,
-        )
+def _hold_out(stream: TokenStream, run_steps: int, held_out: int, source) -> TokenStream:
+    """The run's stream, its last `held_out` windows split off as `held_out` (see build_token_stream)."""
+    want = stream.seq_len * run_steps
+    if not held_out:
+        if stream.num_tokens < want:
+            warnings.warn(
+                f"the source has {stream.num_tokens:,} tokens, fewer than the {want:,} the run asked for: "
+                f"the data repeats after {len(stream)} steps",
+                DataRepeats,
+                stacklevel=3,
+            )
+        return stream
+    if len(stream) < run_steps + held_out:
+        raise ValueError(
+            f"source {os.fspath(source)!r} gives {len(stream):,} windows of {stream.seq_len:,} tokens: the run reads "
+            f"{run_steps:,} and the held-out evaluation needs {held_out:,} more after them, which training never "
+            "reads. Give the evaluation its own text (--eval-data), add text, or train fewer steps.")
+    train, held = stream.split(run_steps)
+    train.held_out = held
+    return train
 
 
 def _check_size_upper_bound(src: Source, seq_len: int) -> None:

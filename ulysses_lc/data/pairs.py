@@ -2,7 +2,7 @@
 
 Rows are TRL's preference rows, plain or chat: "prompt", "chosen", "rejected" as strings (an EOS is added to each
 completion that lacks one), or as message lists (the prompt rendered with the generation prompt, each completion as
-the prompt's conversation continued). The completion starts where the tokenized prompt and prompt + completion
+the prompt's conversation continued; every rendering with the row's `tools` and `chat_template_kwargs`, as TRL's). The completion starts where the tokenized prompt and prompt + completion
 first differ (TRL's rule). "tiny": generated pairs (the chosen completion continues the prompt's story, the rejected
 one is another story's), offline.
 
@@ -19,6 +19,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from .samples import chat_template_kwargs
 from .sources import Source, iter_rows
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -34,12 +35,16 @@ def _common_prefix(a: list, b: list) -> int:
     return n
 
 
-def tokenize_pair(row: dict, tokenizer) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, chosen_ids, rejected_ids) of a preference row, as TRL's DPOTrainer tokenizes it."""
+def tokenize_pair(row: dict, tokenizer, index: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, chosen_ids, rejected_ids) of a preference row (row `index` of its source, for errors), as TRL's
+    DPOTrainer tokenizes it."""
     prompt, chosen, rejected = (row[k] for k in PAIR_KEYS)
     if isinstance(prompt, list):  # conversational
+        template_kwargs = chat_template_kwargs(row, index)
+
         def render(messages, **kwargs):
-            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs,
+                                                      **template_kwargs)["input_ids"])
 
         prompt_ids = render(prompt, add_generation_prompt=True)
         full = [render(prompt + completion) for completion in (chosen, rejected)]
@@ -82,7 +87,7 @@ def read_pairs(src: Source, tokenizer, seq_len: int, limit: int | None = None) -
             raise ValueError(f"--method dpo reads preference rows with columns {', '.join(PAIR_KEYS)}; row {i} of "
                              f"{src.location} has no {', '.join(missing)} (it has {', '.join(row)}). Rename the "
                              "columns, or train it with --method sft.")
-        pair = tokenize_pair(row, tokenizer)
+        pair = tokenize_pair(row, tokenizer, i)
         check_pair(*pair, seq_len, where=f"row {i} of {src.location}")
         pairs.append(pair)
     if not pairs:

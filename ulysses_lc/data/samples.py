@@ -15,11 +15,14 @@ Formats, chosen from the columns (the first that applies):
                       the prompt rendered with the generation prompt, then the completion.
                       loss_on="completion" trains the completion.
   text                plain text, trained whole.
+Chat rows are rendered with the row's own `tools` and `chat_template_kwargs` (e.g. enable_thinking), as TRL's
+SFTTrainer renders them (`chat_template_kwargs`).
 Every sample ends with the tokenizer's EOS (appended unless the rendering already ends with it),
 trained when loss_on="all" or when the token before it is trained, so a completion learns to end.
 """
 
 import hashlib
+import json
 import re
 from typing import Iterable, Iterator
 
@@ -31,6 +34,9 @@ FORMATS = ("text", "messages", "prompt_completion")
 LOSS_ON = ("completion", "all")
 MASK_DTYPE = np.dtype("u1")
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+# apply_chat_template's own arguments, which a row's chat_template_kwargs may not set (TRL would fail on them too).
+_TEMPLATE_ARGUMENTS = ("conversation", "tools", "add_generation_prompt", "tokenize", "return_dict",
+                       "return_assistant_tokens_mask", "continue_final_message", "chat_template")
 
 
 def detect_format(columns: Iterable[str], text_column: str | None = None) -> str:
@@ -78,6 +84,28 @@ def chat_template_digest(tokenizer) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def chat_template_kwargs(row: dict, index: int) -> dict:
+    """The row's own keywords for apply_chat_template, as TRL 1.16's SFTTrainer and DPOTrainer pass them: its
+    `tools` (a list of tool schemas, or their JSON text) and every key of its `chat_template_kwargs`. Without them a
+    completion is trained after a prompt the model never sees (no tool list, thinking on instead of off)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"sample {index}: 'tools' is text but not JSON ({e}); give a list of tool schemas or "
+                             "their JSON text") from e
+    extra = row.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"sample {index}: 'chat_template_kwargs' must be a mapping of the chat template's variables "
+                         f"(e.g. {{\"enable_thinking\": false}}), got {type(extra).__name__}")
+    clash = sorted(set(extra) & set(_TEMPLATE_ARGUMENTS))
+    if clash:
+        raise ValueError(f"sample {index}: 'chat_template_kwargs' sets {', '.join(clash)}, which the rendering "
+                         "itself decides (tools come from the row's 'tools' column); drop them from the row")
+    return {"tools": tools, **extra}
+
+
 def iter_samples(
     rows: Iterator[dict], tokenizer, fmt: str, loss_on: str, *, text_column: str | None = None, batch: int = 256
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
@@ -86,7 +114,7 @@ def iter_samples(
     pending: list[tuple[int, str, list[tuple[int, int]]]] = []
     for index, row in enumerate(rows):
         if fmt == "messages" and loss_on == "completion" and has_generation_marks(tokenizer):
-            yield (index, *_finish(index, *_marked_chat(row["messages"], index, tokenizer), tokenizer, loss_on))
+            yield (index, *_finish(index, *_marked_chat(row, index, tokenizer), tokenizer, loss_on))
             continue
         text, spans = render(row, index, fmt, tokenizer, column, with_spans=loss_on == "completion")
         pending.append((index, text, spans if loss_on == "completion" else [(0, len(text))]))
@@ -113,10 +141,11 @@ def render(
         if isinstance(prompt, str) and isinstance(completion, str):
             return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
         if isinstance(prompt, list) and isinstance(completion, list):
-            full = _chat(tokenizer, _messages(prompt + completion, index), index)
+            kwargs = chat_template_kwargs(row, index)
+            full = _chat(tokenizer, _messages(prompt + completion, index), **kwargs)
             if not with_spans:
                 return full, []
-            before = _chat(tokenizer, prompt, index, add_generation_prompt=True)
+            before = _chat(tokenizer, prompt, add_generation_prompt=True, **kwargs)
             if not full.startswith(before):
                 raise _not_a_prefix(index)
             return full, [(len(before), len(full))]
@@ -125,25 +154,26 @@ def render(
             "use two strings or two lists of {role, content} messages"
         )
     assert fmt == "messages", fmt
-    messages = _messages(row["messages"], index)
-    full = _chat(tokenizer, messages, index)
+    messages, kwargs = _messages(row["messages"], index), chat_template_kwargs(row, index)
+    full = _chat(tokenizer, messages, **kwargs)
     if not with_spans:
         return full, []
     spans = []
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_chat(tokenizer, messages[:turn], index, add_generation_prompt=True)) if turn else 0
-        upto = _chat(tokenizer, messages[: turn + 1], index)
+        start = len(_chat(tokenizer, messages[:turn], add_generation_prompt=True, **kwargs)) if turn else 0
+        upto = _chat(tokenizer, messages[: turn + 1], **kwargs)
         if not full.startswith(upto) or start > len(upto):
             raise _not_a_prefix(index)
         spans.append((start, len(upto)))
     return full, spans
 
 
-def _marked_chat(messages, index: int, tokenizer) -> tuple[list[int], list[int]]:
+def _marked_chat(row: dict, index: int, tokenizer) -> tuple[list[int], list[int]]:
     out = tokenizer.apply_chat_template(
-        _messages(messages, index), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        _messages(row["messages"], index), tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        **chat_template_kwargs(row, index),
     )
     return list(out["input_ids"]), list(out["assistant_masks"])
 
@@ -172,13 +202,14 @@ def _finish(index: int, ids: list[int], mask: list[int], tokenizer, loss_on: str
     return np.asarray(ids, dtype=TOKEN_DTYPE), np.asarray(mask, dtype=MASK_DTYPE)
 
 
-def _chat(tokenizer, messages: list, index: int, add_generation_prompt: bool = False) -> str:
+def _chat(tokenizer, messages: list, add_generation_prompt: bool = False, **template_kwargs) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             "chat data needs the tokenizer's chat template, and this tokenizer has none; set "
             "tokenizer.chat_template, or render the conversations to a 'text' column yourself"
         )
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
 
 
 def _messages(messages, index: int) -> list:

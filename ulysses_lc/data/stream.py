@@ -36,6 +36,15 @@ class Sample:
     padding_tokens: int
 
     @property
+    def attention_mask(self) -> torch.Tensor | None:
+        """[s] 1 on the window's tokens, 0 on its padding (transformers' convention); None where there is none."""
+        if not self.padding_tokens:
+            return None
+        mask = torch.ones(len(self.input_ids), dtype=torch.long)
+        mask[len(mask) - self.padding_tokens:] = 0
+        return mask
+
+    @property
     def num_trained_tokens(self) -> int:
         """Labels that are a loss target after the causal shift (position 0 never is)."""
         return int((self.labels[1:] != IGNORE_INDEX).sum())
@@ -92,6 +101,7 @@ class TokenStream:
         self.documents = documents
         self._content = content
         self.stats = stats or {}
+        self.held_out = None  # build_token_stream(..., held_out=k): the k windows read after these, for evaluation
 
     @property
     def content(self) -> list | None:
@@ -132,6 +142,24 @@ class TokenStream:
         lengths = [int(n) for n in docs.lengths[docs.starts[w] : docs.starts[w + 1]]]
         padding = int(docs.padding[w])
         return Sample(input_ids, labels, lengths, len(lengths) - (padding > 0), padding)
+
+    def split(self, windows: int) -> tuple["TokenStream", "TokenStream"]:
+        """(the first `windows` windows, the rest) as two streams over the same arrays. The first keeps this stream's
+        identity and content chain (what was read to build it); the second is `<stream_id>-held-out`."""
+        assert 0 < windows < len(self), (windows, len(self))
+        parts = []
+        for lo, hi, suffix in ((0, windows, ""), (windows, len(self), "-held-out")):
+            docs = self.documents
+            if docs is not None:
+                first, last = docs.starts[lo], docs.starts[hi]
+                docs = WindowDocuments(docs.lengths[first:last], docs.starts[lo:hi + 1] - first, docs.padding[lo:hi])
+            span = slice(lo * self.seq_len, hi * self.seq_len)
+            parts.append(TokenStream(self.tokens[span], self.seq_len, stream_id=self.stream_id + suffix,
+                                     cache_hit=self.cache_hit, cache_path=self.cache_path,
+                                     mask=None if self.mask is None else self.mask[span], documents=docs,
+                                     content=self._content if not suffix else None,
+                                     stats=self.stats if not suffix else None))
+        return parts[0], parts[1]
 
     def _window(self, step: int) -> slice:
         if step < 0:

@@ -61,8 +61,8 @@ class ShardingCollator:
     """The Trainer's collate function, then `shard_batch`: this rank's slice of one whole sequence.
 
     Runs on the host (in dataloader workers where there are any), where shard_batch's checks cost no device sync.
-    Returns input_ids, labels (shifted), position_ids, and cu_seqlens as a tuple of ints (the Trainer moves
-    tensors to the device; the attention reads the boundaries on the host).
+    Returns input_ids, labels (shifted), position_ids, cu_seqlens as a tuple of ints (the Trainer moves
+    tensors to the device; the attention reads the boundaries on the host) and, where there is padding, token_mask.
     layout: only sp_size and sp_rank are read (a group-free copy travels to worker processes).
     """
 
@@ -94,10 +94,12 @@ class ShardingCollator:
         if lengths is None and position_ids is not None:
             lengths = document_lengths_from_positions(position_ids.reshape(-1))
         sharded = shard_batch(input_ids, self.layout, labels=labels, pad_token_id=self.pad_token_id,
-                              vocab_size=self.vocab_size, document_lengths=lengths)
+                              vocab_size=self.vocab_size, document_lengths=lengths, attention_mask=mask)
         out = {"input_ids": sharded.input_ids, "labels": sharded.labels, "position_ids": sharded.position_ids}
         if sharded.cu_seqlens is not None:
             out["cu_seqlens"] = tuple(sharded.cu_seqlens.tolist())
+        if sharded.token_mask is not None:  # the padding, which the MoE router loss leaves out as transformers does
+            out["token_mask"] = sharded.token_mask
         return out
 
 
@@ -137,10 +139,14 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
     if sft_loss and getattr(args, "loss_type", "nll") != "nll":
         raise ValueError(f"loss_type={args.loss_type!r} weighs tokens by their probability from full logits; "
                          "ulysses_lc's chunked loss is the plain NLL: set loss_type='nll'.")
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-        if getattr(args, key, 1) != 1:
-            raise ValueError(f"{key}={getattr(args, key)}: ulysses_lc trains one whole sequence per device batch "
-                             "(SP ranks share it); set it to 1 and use gradient_accumulation_steps for more.")
+    # Evaluation changes no weight and each sequence is evaluated whole either way, so the eval batch (8 by
+    # TrainingArguments' default, which a script without an eval set never thinks of) is set to one sequence.
+    if getattr(args, "per_device_eval_batch_size", 1) != 1:
+        args.per_device_eval_batch_size = 1
+    if getattr(args, "per_device_train_batch_size", 1) != 1:
+        raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size}: ulysses_lc trains one whole "
+                         "sequence per device batch (SP ranks share it); set it to 1 and use gradient_accumulation_steps "
+                         "for more.")
     if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         raise ValueError("activation_checkpointing (gradient_checkpointing) is on: ulysses_lc checkpoints (and "
                          "offloads) layers itself, as its memory plan says; set activation_checkpointing=False "

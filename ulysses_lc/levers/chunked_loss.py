@@ -26,7 +26,9 @@ grad_weight_ve accumulator (v*e*4 bytes, 1.5 GiB for 152k x 2560) held from forw
 backward. We accumulate it in fp32 because a long sequence is hundreds of chunks and bf16
 accumulation over that many terms loses the small rows' contribution.
 
-When neither hidden nor weight needs a gradient (evaluation) only the first matmul runs.
+When neither hidden nor weight needs a gradient (evaluation) only the first matmul runs. An evaluation that needs
+each row's loss (loss by position, a passkey's key tokens: ulysses_lc/eval) takes `chunked_token_scores`, the
+same chunks without the sum.
 
 Final logit soft-capping (Gemma 2/3's `final_logit_softcapping`, cap): the loss reads z = cap tanh(logits / cap),
 and dz / dlogits = 1 - (z / cap)^2, so the chunk keeps tanh in one fp32 block and z in a second: two [c, v]
@@ -98,6 +100,17 @@ def check_labels_on_device(labels_t: torch.Tensor, valid_t: torch.Tensor, v: int
     )
 
 
+def chunk_logits(hidden_ce, weight_ve, bias_v, softcap, acc_dtype):
+    """(logits [c, v] in acc_dtype as the loss reads them, tanh(logits / softcap) or None): the chunk's one fp32 block
+    (two with softcap, the second kept for the gradient)."""
+    logits_cv = F.linear(hidden_ce, weight_ve, bias_v).to(acc_dtype)
+    tanh_cv = None
+    if softcap is not None:
+        tanh_cv = logits_cv.div_(softcap).tanh_()
+        logits_cv = tanh_cv * softcap
+    return logits_cv, tanh_cv
+
+
 def chunk_step(hidden_ce, weight_ve, bias_v, safe_labels_c, valid_c, softcap, acc_dtype,
                grad_hidden_ce=None, grad_weight_ve=None, grad_bias_v=None) -> torch.Tensor:
     """One chunk of the head: returns the summed cross-entropy of its valid rows and, for grad_output = 1, writes
@@ -105,11 +118,7 @@ def chunk_step(hidden_ce, weight_ve, bias_v, safe_labels_c, valid_c, softcap, ac
     (each None when not needed; all None: the forward matmul alone). Ignored rows give exact zeros everywhere.
     Only one [c, v] fp32 block (two with softcap) is live at a time."""
     labels_c1 = safe_labels_c.unsqueeze(1)
-    logits_cv = F.linear(hidden_ce, weight_ve, bias_v).to(acc_dtype)
-    tanh_cv = None
-    if softcap is not None:
-        tanh_cv = logits_cv.div_(softcap).tanh_()
-        logits_cv = tanh_cv * softcap
+    logits_cv, tanh_cv = chunk_logits(hidden_ce, weight_ve, bias_v, softcap, acc_dtype)
     lse_c = torch.logsumexp(logits_cv, dim=-1)
     target_logit_c = logits_cv.gather(1, labels_c1).squeeze(1)
     chunk_loss = torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
@@ -240,6 +249,35 @@ def chunked_cross_entropy(
     return ChunkedCrossEntropy.apply(hidden_te, weight_ve, bias_v, labels_t.long(), int(chunk_rows), softcap)
 
 
+@torch.no_grad()
+def chunked_token_scores(
+    hidden_te: torch.Tensor,
+    weight_ve: torch.Tensor,
+    labels_t: torch.Tensor,
+    bias_v: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, without gradient (evaluation): (cross-entropy [t] fp32, whether the label is the argmax [t] bool),
+    chunk by chunk as the loss, so one [c, v] block exists at a time. Every row is scored: select the labelled rows
+    first (an IGNORE_INDEX label is refused like any label outside [0, v))."""
+    t, v = hidden_te.shape[0], weight_ve.shape[0]
+    labels_t = labels_t.long()
+    check_labels_on_device(labels_t, torch.ones_like(labels_t, dtype=torch.bool), v)
+    if chunk_rows is None:
+        chunk_rows = auto_chunk_rows(v, _TARGET_CHUNK_LOGITS_BYTES // (2 if softcap else 1))
+    acc_dtype = torch.promote_types(hidden_te.dtype, torch.float32)
+    loss_t = torch.empty(t, dtype=torch.float32, device=hidden_te.device)
+    correct_t = torch.empty(t, dtype=torch.bool, device=hidden_te.device)
+    for start in range(0, t, chunk_rows):
+        end = min(start + chunk_rows, t)
+        logits_cv, _ = chunk_logits(hidden_te[start:end], weight_ve, bias_v, softcap, acc_dtype)
+        labels_c1 = labels_t[start:end].unsqueeze(1)
+        loss_t[start:end] = torch.logsumexp(logits_cv, dim=-1) - logits_cv.gather(1, labels_c1).squeeze(1)
+        correct_t[start:end] = logits_cv.argmax(dim=-1) == labels_c1.squeeze(1)
+    return loss_t, correct_t
+
+
 class ChunkedLossHead(nn.Module):
     """Drop-in LM head: logits without labels, (loss_sum, n_valid) with labels.
 
@@ -264,10 +302,12 @@ class ChunkedLossHead(nn.Module):
         self.chunk_rows = chunk_rows
         self.softcap = softcap
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, documents=None):
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, documents=None,
+                per_token: bool = False):
         """Logits without labels; (loss_sum, n_valid) with them; with `documents` (a preference.DocumentRows), each
-        document's summed log-probabilities of its labels, through `documents.log_probs` (ZeRO-3 has gathered the
-        weight for this module's forward either way)."""
+        document's summed log-probabilities of its labels, through `documents.log_probs`; with per_token, each row's
+        (loss, label is the argmax), no gradient (`chunked_token_scores`). ZeRO-3 has gathered the weight for this
+        module's forward either way."""
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
         if labels.shape != hidden.shape[:-1]:
@@ -275,6 +315,9 @@ class ChunkedLossHead(nn.Module):
                 f"labels shape {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}; "
                 "pass labels already shifted to align with hidden."
             )
+        if per_token:
+            return chunked_token_scores(hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1),
+                                        self.bias, self.chunk_rows, self.softcap)
         if documents is not None:
             return documents.log_probs(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias,
                                        labels.reshape(-1), self.chunk_rows, self.softcap)
@@ -312,7 +355,9 @@ def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None) -
 __all__ = [
     "ChunkedCrossEntropy",
     "check_labels_on_device",
+    "chunk_logits",
     "chunk_step",
+    "chunked_token_scores",
     "ChunkedLossHead",
     "auto_chunk_rows",
     "chunked_cross_entropy",

@@ -33,6 +33,7 @@ We also keep `ds_grad_is_ready = False` until the last tile, the flag DeepSpeed'
 `reduce_ready_partitions_and_remove_grads` reads, so a per-parameter hook, were one registered, would wait too.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ import torch.nn as nn
 
 from ..handle import Handle
 from ..layers import decoder_layers
+from ..shape import text_config
 
 
 MIN_TILE_TOKENS = 1024
@@ -71,26 +73,39 @@ class TiledMLPFunction(torch.autograd.Function):
     tile's input gradient into a preallocated grad_x_bse. It replays the tiles from the forward's
     RNG state (in a forked RNG, so the caller's stream is untouched): a dropout inside the MLP (a
     LoRA adapter's) draws the same masks as in the forward, as torch's checkpoint does for layers.
+
+    With `router` (a RouterLoss, objectives/router_loss.py; mask_bs the rows it counts, kept as an attribute, on
+    its device) each tile runs inside a tally of its own and the outputs also carry the layer's router sums
+    (probabilities, with a gradient; assignments and rows, without); backward sends the probabilities' gradient
+    into each tile's recompute beside the tile's output gradient.
     """
 
     @staticmethod
-    def forward(ctx, mlp: Callable, x_bse: torch.Tensor, num_tiles: int, *params: torch.Tensor):
+    def forward(ctx, mlp: Callable, x_bse: torch.Tensor, num_tiles: int, router, mask_bs, *params: torch.Tensor):
         ctx.mlp = mlp
         ctx.num_tiles = num_tiles
         ctx.params = params
+        ctx.router, ctx.mask_bs = router, mask_bs  # attributes, not saved tensors: a recompute passes no mask
         ctx.save_for_backward(x_bse)
         ctx.rng = _rng_state(x_bse.device)
-        y_bse = None
+        y_bse, sums = None, None  # the tiles' router sums (probabilities, assignments, rows)
         for start, end in _tile_bounds(x_bse.shape[1], num_tiles):
-            # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * c, e].
-            y_bce = mlp(x_bse[:, start:end].contiguous())
+            with _tile_tally(router, mask_bs, start, end) as tally:
+                # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * c, e].
+                y_bce = mlp(x_bse[:, start:end].contiguous())
+            if tally is not None:
+                tile = (tally.probs_e, tally.counts_e, tally.rows)
+                sums = tile if sums is None else tuple(a + b for a, b in zip(sums, tile))
             if y_bse is None:
                 y_bse = y_bce.new_empty((x_bse.shape[0], x_bse.shape[1], *y_bce.shape[2:]))
             y_bse[:, start:end] = y_bce
-        return y_bse
+        if sums is None:
+            return y_bse
+        ctx.mark_non_differentiable(*sums[1:])
+        return (y_bse, *sums)
 
     @staticmethod
-    def backward(ctx, grad_y_bse):
+    def backward(ctx, grad_y_bse, grad_probs_e=None, *_grad_counts):
         (x_bse,) = ctx.saved_tensors
         need_grad_x = ctx.needs_input_grad[1]
         grad_x_bse = torch.empty_like(x_bse) if need_grad_x else None
@@ -104,13 +119,26 @@ class TiledMLPFunction(torch.autograd.Function):
                 for param in zero3_params:
                     param.ds_grad_is_ready = tile == len(bounds) - 1
                 x_bce = x_bse[:, start:end].detach().contiguous().requires_grad_(need_grad_x)
-                with torch.enable_grad():
+                with torch.enable_grad(), _tile_tally(ctx.router, ctx.mask_bs, start, end) as tally:
                     y_bce = ctx.mlp(x_bce)
-                if y_bce.requires_grad:
-                    torch.autograd.backward(y_bce, grad_y_bse[:, start:end])
+                # The router loss's gradient enters each tile's routers with the tile's own (its probability sums
+                # are a sum over tiles).
+                pairs = [(y_bce, grad_y_bse[:, start:end])]
+                if tally is not None and grad_probs_e is not None:
+                    pairs.append((tally.probs_e, grad_probs_e))
+                pairs = [(out, grad) for out, grad in pairs if out.requires_grad]
+                if pairs:
+                    torch.autograd.backward(*zip(*pairs))
                 if need_grad_x:
                     grad_x_bse[:, start:end] = x_bce.grad if x_bce.grad is not None else 0
-        return (None, grad_x_bse, None) + (None,) * len(ctx.params)
+        return (None, grad_x_bse, None, None, None) + (None,) * len(ctx.params)
+
+
+def _tile_tally(router, mask_bs, start: int, end: int):
+    """The tally a tile's routers add to (router_loss.py), with the tile's rows of the mask; nothing without one."""
+    if router is None:
+        return contextlib.nullcontext()
+    return router.tally(None if mask_bs is None else mask_bs[:, start:end])
 
 
 def _rng_state(device: torch.device):
@@ -133,13 +161,14 @@ class TiledMLP(nn.Module):
     with the wrapper installed load into the plain model and back.
     """
 
-    def __init__(self, mlp: nn.Module, intermediate_size: int, num_tiles: int | None = None):
+    def __init__(self, mlp: nn.Module, intermediate_size: int, num_tiles: int | None = None, router=None):
         super().__init__()
         if num_tiles is not None and num_tiles < 1:
             raise ValueError(f"num_tiles must be >= 1 or None (automatic), got {num_tiles}.")
         self.mlp = mlp
         self.intermediate_size = intermediate_size
         self.num_tiles = num_tiles
+        self.router = router  # a RouterLoss whose routers run in this MLP (router_loss.py), or None
         from deepspeed.utils import set_z3_leaf_module
 
         set_z3_leaf_module(self, True)  # module docstring: one gather per layer, one reduction after the last tile
@@ -159,14 +188,21 @@ class TiledMLP(nn.Module):
 
         def mlp(x_bce):
             # gpt-oss's MoE block returns (hidden, router scores); its decoder layer drops the scores (the router
-            # logits reach an auxiliary loss only through output_router_logits, refused at install).
+            # loss reads the router's own output, through the RouterLoss hooks).
             y = self.mlp(x_bce)
             if isinstance(y, tuple):
                 returns_tuple.append(True)
                 return y[0]
             return y
 
-        y_bse = TiledMLPFunction.apply(mlp, x_bse, num_tiles, *params)
+        if self.router is None:
+            y_bse = TiledMLPFunction.apply(mlp, x_bse, num_tiles, None, None, *params)
+        else:
+            outer = self.router.active  # the forward's tally; None in a checkpoint's recompute
+            y_bse, *sums = TiledMLPFunction.apply(mlp, x_bse, num_tiles, self.router,
+                                                  None if outer is None else outer.mask_bs, *params)
+            if outer is not None:
+                outer.add(*sums)
         return (y_bse, None) if returns_tuple else y_bse
 
     def extra_repr(self) -> str:
@@ -207,19 +243,21 @@ def _mlp_width(mlp: nn.Module, config) -> int:
     return config.intermediate_size
 
 
-def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Handle:
+def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None, router=None) -> Handle:
     """Wrap every decoder layer's `.mlp` in a TiledMLP; the Handle's undo() restores them.
 
     Call it before `deepspeed.initialize`: ZeRO-3 registers its gather hooks then, and needs to
     see the TiledMLP wrappers as leaf modules.
+    router: the model's RouterLoss (objectives/router_loss.py), required when config.output_router_logits is on.
     """
     layers = decoder_layers(model, "tiled MLP")
     config = model.config
-    if getattr(config, "output_router_logits", False):
+    if router is None and getattr(text_config(config), "output_router_logits", False):
         raise ValueError(
             "config.output_router_logits=True: the router auxiliary loss needs the router logits with their "
-            "graph, which the tiled forward (run under no_grad) does not keep. Set output_router_logits=False "
-            "or do not tile this MoE model's MLPs."
+            "graph, which the tiled forward (run under no_grad) does not keep, and transformers' own forward would "
+            "read them so. SequenceParallelCausalLM computes that loss with tiles (pass it router=its RouterLoss "
+            "here); else set output_router_logits=False or do not tile this MoE model's MLPs."
         )
     if any(hasattr(layer, "ds_id") for layer in layers):
         raise ValueError(
@@ -232,7 +270,8 @@ def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None) -> Handle:
         if isinstance(mlp, TiledMLP):
             raise ValueError("tiled MLP is already installed; call the undo returned by the first install.")
         originals.append(mlp)
-        layer.mlp = TiledMLP(mlp, _mlp_width(mlp, config), num_tiles)
+        layer.mlp = TiledMLP(mlp, _mlp_width(mlp, config), num_tiles,
+                             router if router is not None and router.owns(mlp) else None)
 
     def undo():
         for layer, mlp in zip(layers, originals):

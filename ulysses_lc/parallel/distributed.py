@@ -23,6 +23,7 @@ import re
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -161,6 +162,7 @@ def init_distributed(backend: str | None = None) -> None:
     """
     import deepspeed
 
+    ignore_unactionable_warnings()
     if not torch.distributed.is_initialized():
         single_process_defaults()
     bind_cuda_device()
@@ -171,6 +173,16 @@ def init_distributed(backend: str | None = None) -> None:
                            f"rm {lock}")
     with _without_shm_comm_op():
         deepspeed.init_distributed(dist_backend=backend or default_backend(), auto_mpi_discovery=False)
+
+
+def ignore_unactionable_warnings() -> None:
+    """Hide the warnings no user can act on, by their text, so every other warning still shows.
+
+    DeepSpeed's ZeRO-3 (0.17-0.20) gathers and reduce-scatters parameters through torch.distributed calls that torch
+    2.11+ deprecates; the FutureWarning names torch's wrapper (c10d_logger.py) as its source and prints once per rank
+    and call site. init_distributed calls this, so a script of one's own does not flood its console."""
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 def bind_cuda_device() -> None:

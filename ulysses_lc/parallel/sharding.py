@@ -14,6 +14,10 @@ token is ignored (the next token is another document's), and the boundaries trav
 `cu_seqlens` over the WHOLE padded sequence (the end padding is a segment of its own), identical on every
 rank: after the Ulysses exchange each rank holds the whole sequence for its heads and runs attention per
 document (attention.py).
+
+Padding (`token_mask`): the tokens added to reach a multiple of sp, and those the caller's attention_mask marks 0
+(right padding only: the causal kernel keeps real tokens from reading padding at the end, not before them). Only
+the MoE router loss reads it (objectives/router_loss.py: transformers leaves attention_mask-0 tokens out of it).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class ShardedBatch:
     seq_len: int  # s, before padding
     padded_len: int  # s_pad
     cu_seqlens: torch.Tensor | None = None  # [documents + 1] int32 boundaries over the whole s_pad; None: one stream
+    token_mask: torch.Tensor | None = None  # [b, s_local] bool, False on padding; None: no padding
 
     def to(self, device) -> "ShardedBatch":
         """The token tensors on `device`; cu_seqlens stays on the host, where attention reads it (no sync)."""
@@ -63,12 +68,15 @@ class ShardedBatch:
             self.seq_len,
             self.padded_len,
             self.cu_seqlens,
+            None if self.token_mask is None else self.token_mask.to(device, non_blocking=True),
         )
 
     def as_kwargs(self) -> dict:
         kwargs = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
         if self.cu_seqlens is not None:
             kwargs["cu_seqlens"] = self.cu_seqlens
+        if self.token_mask is not None:
+            kwargs["token_mask"] = self.token_mask
         return kwargs
 
 
@@ -144,6 +152,7 @@ def shard_batch(
     *,
     vocab_size: int | None = None,
     document_lengths: list[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> ShardedBatch:
     """Shift, pad and slice one batch of full sequences for this rank of the SP group.
 
@@ -152,6 +161,8 @@ def shard_batch(
     position_ids: global positions, one contiguous run per row (default 0..s-1).
     document_lengths: packed documents, lengths in order adding up to s (one sequence, b = 1): positions
         restart per document, a document's last label is ignored, attention stays inside each document.
+    attention_mask: [b, s] or [s], 0 on padding at the end of a row (transformers' convention; right padding
+        only). It changes no label or attention: it marks tokens the MoE router loss does not count.
     vocab_size: when given, every shifted label other than IGNORE_INDEX must be in [0, vocab_size)
         (ValueError otherwise). Pass it: on a GPU the loss only has a device-side assert for this
         (it must not sync), so this is where a bad label gets a clear error.
@@ -178,6 +189,7 @@ def shard_batch(
         position_ids = position_ids.reshape(-1, s).expand(b, s)
         _check_positions(position_ids)
 
+    real_bs = _real_tokens(attention_mask, b, s)
     sp = layout.sp_size
     s_pad = -(-s // sp) * sp
     pad = s_pad - s
@@ -199,6 +211,8 @@ def shard_batch(
         if lengths is not None:
             tail = torch.arange(pad, device=position_ids.device).expand(b, pad)
         position_ids = torch.cat([position_ids, tail], dim=1)
+        real_bs = torch.cat([real_bs, real_bs.new_zeros((b, pad))], dim=1)
+    token_mask = None if bool(real_bs.all()) else real_bs
 
     s_local = s_pad // sp
     rows = slice(layout.sp_rank * s_local, (layout.sp_rank + 1) * s_local)
@@ -209,4 +223,18 @@ def shard_batch(
         seq_len=s,
         padded_len=s_pad,
         cu_seqlens=cu_seqlens,
+        token_mask=None if token_mask is None else token_mask[:, rows].contiguous(),
     )
+
+
+def _real_tokens(attention_mask: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
+    """[b, s] bool, False on the caller's padding; ValueError for padding that is not at the end of its row."""
+    if attention_mask is None:
+        return torch.ones((b, s), dtype=torch.bool)
+    real_bs = attention_mask.reshape(b, -1).bool().cpu()
+    if real_bs.shape != (b, s):
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {(b, s)}.")
+    if bool((real_bs[:, 1:] & ~real_bs[:, :-1]).any()):
+        raise ValueError("attention_mask has padding before real tokens (left padding or holes): pad on the right "
+                         "(tokenizer.padding_side='right'); the causal kernel keeps only padding at the end unread.")
+    return real_bs

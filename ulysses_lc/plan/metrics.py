@@ -275,6 +275,24 @@ class StepLogger:
             self._tb.flush()
         return record
 
+    def log_eval(self, step: int, result) -> dict | None:
+        """Record an evaluation after step `step` (0: before the first): its line, a metrics.jsonl record
+        {"step", "time", "eval"}, TensorBoard scalars under eval/. result: an eval.EvalResult. Rank 0 only."""
+        if not self.enabled:
+            return None
+        record = {"step": step, "time": time.time(), "eval": result.to_dict()}
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._bar is not None:
+            self._bar.write(result.line(step), file=self.stream)
+        else:
+            print(result.line(step), file=self.stream, flush=True)
+        if self._tb is not None:
+            for name, value in result.scalars().items():
+                self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+        return record
+
     def _drop_after(self, step: int) -> None:
         """A resumed run replays the steps after its checkpoint: the lines a killed run wrote for them go, so that
         metrics.jsonl holds each step once (the kept lines are rewritten through a new file, then renamed)."""
@@ -289,7 +307,7 @@ class StepLogger:
     def format_line(r: dict) -> str:
         """The human line, e.g. `step 3/10 | loss 4.3110 | ... | MFU 65.9% | gpu 56.2 GB | host 12.0 GB (node 120.4 GB)`;
         "-" where a figure does not apply (no TFLOPS, MFU or GPU memory without a GPU). Packed steps add the
-        labels trained, the documents and the padding share."""
+        labels trained, the documents and the padding share; MoE steps with the router loss on its aux_loss."""
         parts = [
             f"step {r['step']}/{r['total_steps']}", f"loss {r['loss']:.4f}", f"grad_norm {_fmt(r['grad_norm'], '.2f')}",
             f"lr {_fmt(r['lr'], '.1e')}", f"tokens {r['tokens']:,}",
@@ -298,6 +316,8 @@ class StepLogger:
             parts.append(f"trained {r['trained_tokens']:,}")
         if r.get("documents", 1) > 1:
             parts.append(f"docs {r['documents']} (pad {100 * r.get('padding_share', 0.0):.1f}%)")
+        if r.get("aux_loss") is not None:  # MoE: the routers' load-balancing loss, which `loss` holds x its coefficient
+            parts.append(f"aux_loss {r['aux_loss']:.4f}")
         if r.get("reward_margin") is not None:  # preference training (train/preference_step.py)
             parts.append(f"margin {r['reward_margin']:.3f} (acc {r['reward_accuracy']:.2f})")
         parts += [

@@ -72,8 +72,8 @@ def main(argv=None) -> None:
                     print(e.report, flush=True)
                 raise
             return
-        from .config import AlreadyTrained
         from .loop import train
+        from .preflight import AlreadyTrained
 
         try:
             train(cfg)

@@ -13,13 +13,13 @@ import argparse
 import contextlib
 import difflib
 import os
-import re
 from dataclasses import dataclass
 
 from ..mixers.explicit_attention import valid_head_groups
 from ..mixers.kernels import KERNELS
 from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
+from .evaluation import EVAL_PASSKEY_DEPTHS, check_eval_flags
 from .launcher import LAUNCH_FIELDS, add_launch_flags
 from .schedule import SCHEDULES
 
@@ -35,11 +35,6 @@ class CheckFailed(ValueError):
     def __init__(self, message: str, origin: str | None = None):
         super().__init__(message)
         self.origin = origin
-
-
-class AlreadyTrained(CheckFailed):
-    """--resume of a run whose checkpoint already reached --steps: nothing to train, nothing written (cli.main says
-    so and exits 0)."""
 
 
 @contextlib.contextmanager
@@ -112,6 +107,17 @@ class TrainConfig:
     dpo_loss: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0  # sigmoid: cDPO's probability of a flipped preference
     dpo_reference: str = "auto"  # auto | copy | adapters | precomputed (train/preference_step.py)
+    # The evaluation at --seq-len (train/evaluation.py), on when any of eval_data, eval_every, eval_at_start is set.
+    eval_data: str | None = None  # None: the held-out windows right after those the run reads from --data
+    eval_every: int = 0  # steps between evaluations; 0: at the end only
+    eval_at_start: bool = False  # also before the first step
+    eval_sequences: int | None = None  # windows of eval text; None: one per DP group
+    eval_passkey_depths: str = EVAL_PASSKEY_DEPTHS  # comma-separated shares in [0, 1]; "none": no passkey
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates (every --eval-every steps, and always at the end)."""
+        return self.eval_data is not None or self.eval_every > 0 or self.eval_at_start
 
     def check(self) -> None:
         """ValueError naming the flag and the fix for a setting no run can use."""
@@ -161,6 +167,7 @@ class TrainConfig:
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1).")
         self._check_method()
+        check_eval_flags(self.eval_every, self.eval_sequences, self.eval_passkey_depths, self.evaluates, self.method)
         for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
             value = getattr(self, flag)
             if value is not None and value < 0:
@@ -218,17 +225,16 @@ def _head_groups(text: str):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose refusal of a flag is one line that names the closest flag to a mistyped one, printed
-    by rank 0 only: every rank parses the same command line, and each printed its own usage block."""
+    """argparse's parser whose refusal is one line, from rank 0 only, naming the flag closest to a mistyped one: every
+    rank parses the same command line, and each printed its own 36-line usage block, which buried the cause."""
 
     def error(self, message: str):
         if int(os.environ.get("RANK", "0")) != 0:
             self.exit(2)
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        unknown = [w for w in re.findall(r"(--?[\w-]+)", message.partition("unrecognized arguments:")[2])]
-        close = {w: difflib.get_close_matches(w.replace("_", "-"), flags, n=1, cutoff=0.6) for w in unknown}
-        hints = "".join(f"; did you mean {c[0]} (for {w})?" for w, c in close.items() if c)
-        # One line, no usage block (36 lines, which buried the cause): --help has the flags.
+        unknown = [w for w in message.partition("unrecognized arguments:")[2].split() if w.startswith("-")]
+        hints = "".join(f"; did you mean {c[0]} (for {w})?" for w in unknown
+                        if (c := difflib.get_close_matches(w.replace("_", "-"), flags, n=1)))
         self.exit(2, f"{self.prog}: error: {message}{hints} (--help lists every flag)\n")
 
 
@@ -349,6 +355,19 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT (a preemption, a time limit, Ctrl-C) or the launcher's end, every rank "
                         "stops at the next step boundary and saves a checkpoint; past this many seconds it exits "
                         f"without one (default {d.stop_grace_s:g}: launchers SIGKILL their ranks 30 s after SIGTERM)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="evaluate every N steps at --seq-len, in the training engine (loss over the sequence and by "
+                        "position bucket, passkey retrieval by depth), and always at the end (default 0: only at the "
+                        "end, when --eval-data or --eval-at-start asks for an evaluation)")
+    p.add_argument("--eval-data", help="the evaluation text, any source --data takes (default: the held-out windows "
+                                       "right after those the run reads from --data, which training never reads)")
+    p.add_argument("--eval-at-start", action="store_true", default=d.eval_at_start,
+                   help="also evaluate before the first step: the model as loaded")
+    p.add_argument("--eval-sequences", type=int,
+                   help="windows of evaluation text (default one per DP group); each is one forward at --seq-len")
+    p.add_argument("--eval-passkey-depths", default=d.eval_passkey_depths,
+                   help="where the passkey is hidden, shares of the haystack in [0, 1], one forward each "
+                        "(default %(default)s); 'none': no passkey")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     add_launch_flags(p)  # main() takes them before this parser (launcher.split); listed here for --help
     return p
@@ -361,10 +380,8 @@ def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
-    launch = [f"--{f.replace('_', '-')}" for f in LAUNCH_FIELDS if args.pop(f) is not None]
-    if launch:
-        raise ValueError(f"{', '.join(launch)} start the job's ranks: give them to ulysses-lc-train (or "
-                         "ulysses_lc.train.main), which launches; a TrainConfig is one rank's job.")
+    if [f for f in LAUNCH_FIELDS if args.pop(f) is not None]:  # main() takes them first (launcher.split)
+        raise ValueError("--nproc-per-node and its flags start the job's ranks: pass them to ulysses-lc-train.")
     no_gpu = not torch.cuda.is_available()
     tiny = args["model"] in TINY_MODELS or (args["model"] is None and no_gpu)
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}

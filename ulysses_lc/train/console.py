@@ -15,6 +15,7 @@ from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
 from ..plan.sizing import GB, MATMUL_FLOPS_PER_S, attention_flops_per_s
 from ..levers.yarn import describe_rope_scaling
+from ..parallel.distributed import ignore_unactionable_warnings
 
 
 def quiet_warnings(rank: int | None = None) -> None:
@@ -25,11 +26,7 @@ def quiet_warnings(rank: int | None = None) -> None:
     """
     if (int(os.environ.get("RANK", "0")) if rank is None else rank) != 0:
         warnings.simplefilter("ignore")
-    # DeepSpeed's ZeRO-3 (0.17-0.20) gathers and reduce-scatters parameters through torch.distributed calls that
-    # torch 2.11+ deprecates; the FutureWarning names torch's wrapper (c10d_logger.py) as its source, prints once
-    # per rank, and no user can act on it. Filtered by its text, so every other warning still shows.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    ignore_unactionable_warnings()
 
 
 class RunLogger(StepLogger):
@@ -48,6 +45,12 @@ class RunLogger(StepLogger):
         if record is not None and self._wandb is not None:
             numbers = {k: v for k, v in record.items() if k not in ("step", "total_steps", "time") and isinstance(v, (int, float))}
             self._wandb.log(numbers, step=step)
+        return record
+
+    def log_eval(self, step: int, result) -> dict | None:
+        record = super().log_eval(step, result)
+        if record is not None and self._wandb is not None:
+            self._wandb.log(result.scalars(), step=step)
         return record
 
     def close(self) -> None:
@@ -81,6 +84,11 @@ def _plan_reason(plan_settings, device: str, estimate, differs: str | None = Non
     else:
         why = "the fastest plan that fits the limits below (memory.plan_memory), the dry run's for them"
     return why + (f", with {', '.join(flags)} as given" if flags else "")
+
+
+def kernel_named(asked: str, resolved: str) -> str:
+    """The attention kernel as the block names it: the one that runs, after what was asked where they differ (auto)."""
+    return resolved if asked == resolved else f"{asked}: {resolved}"
 
 
 def layers_line(model_config, kernel: str, deltanet: str, on_gpu: bool = True) -> str:
@@ -194,7 +202,7 @@ def data_line(source: str, stream, shape, steps: int, global_batch: int) -> str:
     if loss is not None:
         parts.append("loss on every token" if loss == "all" else "loss on the completions only (assistant turns)")
     if stream.packed:
-        share = st.get("padding_tokens", 0) / max(1, stream.num_tokens)
+        share = int(stream.documents.padding.sum()) / stream.num_tokens
         split = st.get("split_samples")
         parts.append(f"packed into {_count(len(stream), 'window')}, {100 * share:.1f}% padding"
                      + (f", {_count(split, 'sample')} longer than --seq-len split into pieces" if split else ""))

@@ -3,14 +3,18 @@
 The config is read first and alone (no weights), so that the SP split and YaRN are checked in seconds;
 a failed read says whether the name or the network is wrong. Whether the hub can be reached is asked once, in
 seconds (`hub_offline`): offline, hub names are read from the local cache only, since huggingface_hub's own
-retries take 25-40 s per rank to give up.
+retries take 25-40 s per rank to give up. `weights_digest` names the weights a name loads by their content, for
+caches of what the model computes (the precomputed DPO reference).
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
+import json
 import os
+import re
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,6 +23,10 @@ import torch
 
 from ..tiny import TINY_MODELS
 
+# The files from_pretrained reads weights from (a sharded checkpoint's index beside its shards).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+# A hub cache blob's name is its content hash: sha256 for LFS files, git's sha1 for small ones.
+_HUB_BLOB = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 HUB_PROBE_S = 3.0  # a TCP connect to the hub (or the proxy) answers in well under a second where there is a route
 LOCAL_ALTERNATIVES = ("--model ./folder (a local copy, e.g. `hf download NAME --local-dir ./folder` on a machine "
                       "with network) or --model tiny, and --data tiny (generated text) or a local .txt/.jsonl/.parquet "
@@ -139,3 +147,53 @@ def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.d
         del zero3
         return model
     return adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)).to(device))
+
+
+def weights_digest(name: str, seed: int, memo_dir: Path | None = None) -> str:
+    """A sha256 over the content of the weights `name` loads, so that a cache of the model's outputs is never read
+    for other weights (a folder overwritten by a later export keeps its name, not its digest).
+
+    tiny: the name and seed, which draw its weights. A folder, or the hub snapshot a hub name loads: each weight
+    file's name and the sha256 of its bytes (WEIGHT_SUFFIXES, top level, as from_pretrained reads them; every file
+    where none matches). Two different sets of weights sharing a digest would take a sha256 collision. What it costs:
+      - a hub file is a link to a blob named by its content hash (checked by huggingface_hub on download): not read;
+      - a local file is read once (sha256 runs at about 1.5 GB/s on a core with SHA extensions, or the disk's speed
+        where slower: a minute or two for 70B parameters in bf16); memo_dir keeps its hash under its path, inode,
+        size, mtime and ctime, so a later run or resume reads nothing. Any write gives a file a new ctime, which no
+        tool sets back (cp -p and rsync -t set the mtime), so a file rewritten since is hashed again (one rewritten
+        within the clock tick, a few ms, of the write before our read would not be; no checkpoint is written that
+        fast).
+    """
+    from ..tiny import TINY_MODELS
+
+    if name in TINY_MODELS:
+        return hashlib.sha256(f"{name}|seed {seed}".encode()).hexdigest()
+    folder = Path(name)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(name, local_files_only=True))  # the snapshot load_model just read
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)) or \
+        sorted(f for f in folder.iterdir() if f.is_file())
+    return hashlib.sha256(json.dumps([(f.name, _file_digest(f, memo_dir)) for f in files]).encode()).hexdigest()
+
+
+def _file_digest(path: Path, memo_dir: Path | None) -> str:
+    real = path.resolve()
+    if real.parent.name == "blobs" and _HUB_BLOB.fullmatch(real.name):
+        return real.name
+    st = real.stat()
+    stamp = f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    memo = memo_dir / f"{hashlib.sha256(stamp.encode()).hexdigest()[:32]}.sha256" if memo_dir is not None else None
+    if memo is not None and memo.is_file():
+        return memo.read_text().strip()
+    digest = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    if memo is not None:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        partial = memo.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(digest.hexdigest())
+        partial.replace(memo)  # whole or absent
+    return digest.hexdigest()

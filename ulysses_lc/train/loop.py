@@ -36,15 +36,17 @@ from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_chec
                         save_checkpoint, write_run_file)
 from .config import TrainConfig
 from .checkpoint_files import agree_on_write, finite_state, write_failure
-from .console import (RunLogger, data_line, first_step_line, layout_line, pairs_line, progress_bars_off, startup_block,
-                      summary, unmade_on_failure)
+from .console import (RunLogger, data_line, first_step_line, kernel_named, layout_line, pairs_line, progress_bars_off,
+                      startup_block, summary, unmade_on_failure)
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
+from .evaluation import RunEvaluation
 from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
 from .loading import load_model, load_tokenizer
 from . import job_watch
-from .preference_step import DPOStep, build_pair_stream, load_reference, mean_metrics, reference_path
+from .preference_step import (DPOStep, build_pair_stream, load_reference, mean_metrics, pairs_in_step,
+                              reference_entry)
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -142,14 +144,16 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             stream = build_token_stream(
                 stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
                 cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
+                held_out=run.eval.held_out(layout.dp_size) if run.eval else 0,
             )
         data = data_line(stream_settings.source, stream, stream_settings.shape, steps, global_batch)
+    evaluation = RunEvaluation.build(run.eval, stream, stream_settings, tokenizer, layout, cache_files.writes, rank0,
+                                     model_config.vocab_size, pad_token_id(tokenizer)) if run.eval else None
 
     _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
     if rank0:  # tens of seconds of silence otherwise, more for a large model
-        logger.info("loading the weights of %s%s", model_settings.name,
-                    f", ZeRO-3 partitioned over {world} ranks" if world > 1 else "")
+        logger.info("loading the weights of %s%s", model_settings.name, f", ZeRO-3 over {world} ranks" * (world > 1))
     hf_model = load_model(model_settings.name, model_config, model_settings.dtype, run.seed, device, ds_config,
                           checked.peft_config)
     model = SequenceParallelCausalLM(hf_model, layout, kernel=model_settings.kernel,
@@ -194,18 +198,21 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     if rank0:
         logger.info(startup_block(
             out=out, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
-            num_params=num_params, kernel=_kernel_named(model_settings.kernel, model.attention.kernel), plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
-            limits_line=limits_line, deltanet=model.deltanet, threads=threads, data=data,
+            num_params=num_params, kernel=kernel_named(model_settings.kernel, model.attention.kernel), plan=plan,
+            estimate=estimate, device="gpu" if limits else "cpu", limits_line=limits_line, deltanet=model.deltanet,
+            threads=threads, data=data,
             node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
                                              "(another process on this GPU?), which the dry run's plan needs"))
+        if evaluation is not None:
+            logger.info("  " + evaluation.describe())
     if device.type == "cuda":  # a CPU run's memory is no GPU node's
         check_node_memory(estimate, ranks_here, beside)
     estimate.check()
 
     if run.objective.reference == "precomputed":  # before a checkpoint loads: the model as loaded is the reference
-        path = reference_path(model_settings, checked.rope, stream, stream_settings.cache_dir)
-        hit = dpo_step.precompute(engine, stream, path, cache_files.writes, device)
+        entry = reference_entry(model_settings, model_config, tokenizer, stream, stream_settings.cache_dir, layout)
+        hit = dpo_step.precompute(engine, stream, entry, cache_files.writes, device)
         if rank0:
             logger.info("DPO reference log-probabilities of %d sequences %s the token cache", len(stream),
                         "read from" if hit else "computed once, written to")
@@ -244,6 +251,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         peak_tflops=peak, rank=layout.rank, start_step=start_step, tensorboard=output.tensorboard,
         wandb_run=_start_wandb(output.wandb_project, run.flags, out) if rank0 and output.wandb_project else None,
     ) as step_logger:
+        if evaluation is not None and run.eval.at_start:
+            evaluation(engine, start_step, step_logger)
         for step in range(start_step, steps):
             if step == start_step and rank0 and (first := first_step_line(model.deltanet, device)):
                 logger.info(first.replace("step 1:", f"step {step + 1}:"))
@@ -253,7 +262,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             # The lr this step trains with: engine.step() advances the schedule at the step's last micro step, after
             # which get_last_lr() is the next step's.
             lr = scheduler.get_last_lr()[0]
-            losses, trained, documents, padding, pair_metrics = [], 0, 0, 0, []
+            losses, aux_losses, trained, documents, padding, pair_metrics = [], [], 0, 0, 0, []
+            step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
             for micro in range(grad_accum):
                 # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
                 # global_batch sequences however they are split over DP groups and micro steps.
@@ -261,13 +271,17 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
                     window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
-                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(engine, sample, device, window)
+                    loss, metrics, n_trained, n_documents, n_padding = dpo_step(
+                        engine, sample, device, window, step_pairs=step_pairs, step_sequences=global_batch)
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
                                         pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
-                                        document_lengths=sample.document_lengths).to(device)
+                                        document_lengths=sample.document_lengths,
+                                        attention_mask=sample.attention_mask).to(device)
                     loss = engine(**batch.as_kwargs())
+                    if model.last_aux_loss is not None:  # MoE: loss holds router_aux_loss_coef x this too
+                        aux_losses.append(model.last_aux_loss)
                     n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
                 engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps: the step's mean
                 engine.step()  # the optimizer steps at the last micro step only
@@ -275,8 +289,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
-            # The one host sync of the step: the logged numbers.
+            # The host syncs of the step: the logged numbers.
             loss_value = _dp_mean(torch.stack(losses).mean(), layout)
+            aux_value = _dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
             step_time = time.perf_counter() - t0
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
@@ -288,7 +303,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     # Unpacked windows are one causal stream each: no document count to show.
                     trained_tokens=trained, documents=documents if stream_settings.packed_documents else 1,
                     padding_share=padding / (seq_len * global_batch),
-                    **(mean_metrics(pair_metrics, layout) if dpo else {}),
+                    **(mean_metrics(pair_metrics, step_pairs, layout) if dpo else {}),
+                    **({"aux_loss": aux_value} if aux_losses else {}),
                 )
             except OSError as e:  # the disk refused metrics.jsonl (rank 0's): every rank stops at the boundary below
                 record, failed = None, f"step {step + 1}: " + write_failure(
@@ -317,6 +333,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                         f"--resume --output-dir {out} --lr <lower>.")
                 save_checkpoint(engine, out, done, stream, keep=output.keep_checkpoints, writes=run_files.writes,
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
+            if evaluation is not None and not stopping and run.eval.due(done, steps):
+                evaluation(engine, done, step_logger)
             if on_step is not None:
                 on_step(done, record)
             if stopping and done < steps:
@@ -330,11 +348,6 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         logger.info(summary(out=out, records=records, steps=steps, start_step=start_step, checkpoint=latest_checkpoint(out),
                             export=out / EXPORT_DIR if output.export else None, tensorboard=output.tensorboard))
     return records
-
-
-def _kernel_named(asked: str, resolved: str) -> str:
-    """The kernel as the block names it: the one that runs, and what was asked where that differs (auto)."""
-    return resolved if asked == resolved else f"{asked}: {resolved}"
 
 
 def _stop_before_start(stop: StopRequest, layout: ParallelLayout, device, out: Path, resume: bool) -> None:

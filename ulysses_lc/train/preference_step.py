@@ -7,9 +7,14 @@ Each sequence is one pair (or, with --packing, as many whole pairs as fit) laid 
             over all ranks, what the dry run adds to the predicted memory;
   adapters  the policy with its LoRA adapters off (--lora-r): no second model;
   precomputed  the model as loaded (before any step; with --lora-r its adapters off), run once over every sequence
-            of the data before training, its log-probabilities kept in the token cache (`reference_path`) and read
-            back by later runs and resumes: no second model and no reference forward per step;
+            of the data before training, its log-probabilities kept in the token cache under the weights' content,
+            the data and the settings (`reference_entry`) and read back by later runs and resumes: no second model
+            and no reference forward per step;
   auto      adapters with --lora-r, else copy.
+Weighting: every pair of an optimizer step weighs the same, as in TRL's mean over its batch, however --packing
+puts them into sequences and the step spreads those over micro steps and DP groups: a sequence's loss is the sum of
+its pairs' losses x global_batch / (the step's pairs), since DeepSpeed then divides by global_batch (the mean over
+micro steps, the gradient's over DP groups). Without --packing, one pair a sequence, that is each pair's loss.
 The step's metrics: `loss` is the DPO loss; reward_margin, reward_accuracy, reward_chosen, reward_rejected are
 TRL's rewards (beta x the log-ratio against the reference), means over the step's pairs.
 """
@@ -17,7 +22,9 @@ TRL's rewards (beta x the log-ratio against the reference), means over the step'
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +32,11 @@ import torch.distributed as dist
 
 from ..data import parse_source
 from ..data.pairs import PairStream
+from ..data.tokenize import tokenizer_fingerprint
 from ..parallel.layout import ParallelLayout
 from ..model import SequenceParallelCausalLM
 from ..objectives.preference import PreferenceLoss, reference_log_probs, shard_pairs
-from .loading import load_model
+from .loading import load_model, weights_digest
 
 # TRL's metric names (rewards/margins, ...) as metrics.jsonl keys.
 METRICS = {"rewards/margins": "reward_margin", "rewards/accuracies": "reward_accuracy",
@@ -72,6 +80,12 @@ def load_reference(run, checked, device, layout: ParallelLayout):
     return engine
 
 
+def pairs_in_step(stream: PairStream, position: int, global_batch: int) -> int:
+    """The pairs of the optimizer step whose sequences start at `position`: its global_batch sequences, over every
+    micro step and DP group (the same count on every rank)."""
+    return sum(len(stream.sample(position + i)) for i in range(global_batch))
+
+
 class DPOStep:
     """One micro step's DPO loss for a sequence of pairs: (loss, metrics, completion tokens, documents, padding)."""
 
@@ -89,15 +103,17 @@ class DPOStep:
         return shard_pairs(pairs, self.layout, seq_len=self.seq_len, vocab_size=self.vocab_size,
                            pad_token_id=self.pad_token_id).to(device)
 
-    def precompute(self, engine, stream: PairStream, path: Path, writes: bool, device) -> bool:
-        """The reference log-probabilities of every sequence of `stream`, from `path` when every rank finds it there,
-        else from `engine` now (call before any step and before a checkpoint loads: the model as loaded is the
-        reference), then written to `path` by the rank that `writes` the cache. Collective (the forwards are).
-        Returns whether they were read from the cache."""
-        found = torch.tensor([int(path.is_file())], device=device)
+    def precompute(self, engine, stream: PairStream, entry: "ReferenceEntry", writes: bool, device) -> bool:
+        """The reference log-probabilities of every sequence of `stream`, from the cache `entry` when every rank finds
+        it there under the same key, else from `engine` now (call before any step and before a checkpoint loads: the
+        model as loaded is the reference), then written to the entry by the rank that `writes` the cache.
+        Collective (the forwards are). Returns whether they were read from the cache."""
+        saved = torch.load(entry.path, map_location="cpu") if entry.path.is_file() else None
+        # The file holds its whole key: a name shared by other weights or data (a 64-bit prefix) is never read.
+        found = torch.tensor([int(isinstance(saved, dict) and saved.get("key") == entry.key)], device=device)
         dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.layout.world_group)
         if found.item():
-            self.precomputed = torch.load(path, map_location="cpu")
+            self.precomputed = saved["log_probs"]
             return True
         table = []
         for window in range(len(stream)):
@@ -105,41 +121,66 @@ class DPOStep:
             table.append(reference_log_probs(engine, batch, None if self.adapters_off else engine).cpu())
         self.precomputed = table
         if writes:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.partial")
-            torch.save(table, partial)
-            partial.replace(path)  # whole or absent: a killed write leaves no half file under the name
+            entry.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = entry.path.with_suffix(f".{os.getpid()}.partial")
+            torch.save({"key": entry.key, "log_probs": table}, partial)
+            partial.replace(entry.path)  # whole or absent: a killed write leaves no half file under the name
         return False
 
-    def __call__(self, engine, pairs, device, window: int | None = None):
+    def __call__(self, engine, pairs, device, window: int | None = None, step_pairs: int | None = None,
+                 step_sequences: int = 1):
+        """step_pairs, step_sequences: the optimizer step's pairs and sequences (global_batch), for the weighting
+        (module docstring); None: this sequence's pairs, a step of one. The metrics are sums over the pairs, for
+        `mean_metrics`."""
         batch = self.batch(pairs, device)
         if self.precomputed is not None:
             ref_logps = self.precomputed[window].to(device)
         else:
             ref_logps = reference_log_probs(engine, batch, self.reference)
-        loss, metrics = self.loss(engine(**batch.as_kwargs()), ref_logps, batch)
+        loss, metrics = self.loss(engine(**batch.as_kwargs()), ref_logps, batch)  # means over this sequence's pairs
+        loss = loss * (len(pairs) * step_sequences / (step_pairs or len(pairs)))
         completion = sum(batch.chosen_tokens) + sum(batch.rejected_tokens)
-        return (loss, {METRICS[k]: v for k, v in metrics.items() if k in METRICS},
+        return (loss, {METRICS[k]: v * len(pairs) for k, v in metrics.items() if k in METRICS},
                 torch.tensor(completion, device=device), batch.n_documents, self.seq_len - batch.batch.seq_len)
 
 
-def reference_path(model, rope: str, stream: PairStream, cache_dir: Path) -> Path:
-    """Where the precomputed reference log-probabilities of this data under this model (settings.ModelSettings) live
-    in the token cache: keyed on the data (its token ids and packing), the model name and its RoPE (rope: what
-    yarn.plan_rope did), precision and seed (random tiny weights)."""
-    key = repr((stream.stream_id, model.name, rope, str(model.dtype), model.seed, model.lora_r > 0))
-    return cache_dir / f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+@dataclass(frozen=True)
+class ReferenceEntry:
+    """Where the precomputed reference log-probabilities live in the token cache, and the key they were made for."""
+
+    path: Path
+    key: str
 
 
-def mean_metrics(per_micro: list[dict], layout: ParallelLayout) -> dict:
-    """The step's metrics: means over its micro steps and DP groups (the same on every rank of an SP group)."""
+def reference_entry(model, model_config, tokenizer, stream: PairStream, cache_dir: Path,
+                    layout: ParallelLayout) -> ReferenceEntry:
+    """The cache entry of the reference log-probabilities of this data under these weights (model:
+    settings.ModelSettings; model_config: as loaded, RoPE planned). Collective: rank 0 hashes the weights and
+    tells the others (one read of the files, loading.weights_digest says what it costs).
+
+    Keyed on everything the log-probabilities depend on: the weights' content (not the model's name: the usual
+    SFT-then-DPO flow overwrites one folder with new weights), the model config (RoPE and YaRN included), precision,
+    attention kernel, whether the reference is the adapters off; the tokenizer and the data as token ids (the pairs'
+    stream id, which also covers --packing), and --seq-len. Not beta or the loss: they act on the log-probabilities."""
+    digest = [weights_digest(model.name, model.seed, cache_dir / "weights") if layout.rank == 0 else None]
+    dist.broadcast_object_list(digest, src=0, group=layout.world_group)
+    key = json.dumps({"weights": digest[0], "config": model_config.to_json_string(use_diff=False),
+                      "dtype": str(model.dtype), "kernel": model.kernel, "adapters_off": model.lora_r > 0,
+                      "tokenizer": tokenizer_fingerprint(tokenizer), "data": stream.stream_id,
+                      "seq_len": stream.seq_len}, sort_keys=True)
+    name = f"dpo-reference-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    return ReferenceEntry(cache_dir / name, key)
+
+
+def mean_metrics(per_micro: list[dict], step_pairs: int, layout: ParallelLayout) -> dict:
+    """The step's metrics, means over its pairs (as TRL's over its batch) from each micro step's sums: over the micro
+    steps and DP groups (the same on every rank of an SP group)."""
     keys = list(per_micro[0])
-    values = torch.stack([torch.stack([m[k].float() for k in keys]) for m in per_micro]).mean(0)
+    values = torch.stack([torch.stack([m[k].float() for k in keys]) for m in per_micro]).sum(0)
     if layout.dp_size > 1:
         torch.distributed.all_reduce(values, group=layout.dp_group)
-        values /= layout.dp_size
-    return dict(zip(keys, values.tolist()))
+    return dict(zip(keys, (values / step_pairs).tolist()))
 
 
-__all__ = ["DPOStep", "METRICS", "build_pair_stream", "check_pair_source", "load_reference", "mean_metrics",
-           "reference_path"]
+__all__ = ["DPOStep", "METRICS", "ReferenceEntry", "build_pair_stream", "check_pair_source", "load_reference",
+           "mean_metrics", "pairs_in_step", "reference_entry"]

@@ -22,7 +22,7 @@ from ..levers.yarn import plan_rope
 from ..parallel.zero_reshard import check_complete
 from .checkpoint_files import read_manifest, verify
 from .loading import hub_offline, load_model_config
-from .config import AlreadyTrained, CheckFailed, as_check_failed
+from .config import CheckFailed, as_check_failed
 from .run_state import CHECKPOINT_DIR, check_output_dir, latest_tag, saved_layout
 from .settings import RunSettings
 
@@ -33,6 +33,11 @@ OPTIONAL_PACKAGES = (
     ("--wandb", "wandb_project", "wandb", "wandb"),
     ("--lora-r", "lora_r", "peft", "peft"),
 )
+
+
+class AlreadyTrained(CheckFailed):
+    """--resume of a run whose checkpoint already reached --steps: nothing to train, nothing written (cli.main says
+    so and exits 0)."""
 
 
 @dataclass

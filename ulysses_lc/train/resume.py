@@ -57,6 +57,10 @@ APPLIED = {
     "kernel": "the same attention by another kernel", "attention_head_groups": "the same attention, grouped otherwise",
     "keep_on_gpu": "the memory plan", "recompute_layers": "the memory plan",
     "cache_attention_layers": "the memory plan",
+    # The held-out evaluation text follows the windows the run reads, so training reads the same data either way.
+    "eval_data": "the evaluation from here", "eval_every": "the evaluation from here",
+    "eval_at_start": "the evaluation from here", "eval_sequences": "the evaluation from here",
+    "eval_passkey_depths": "the evaluation from here",
 }
 # DeepSpeed config keys that a resume applies, with a line: by DeepSpeed's config reference
 # (https://www.deepspeed.ai/docs/config-json/, docs/_pages/config-json.md in its repository) they are logging,

@@ -15,6 +15,7 @@ model config with its RoPE) is resolved next, by preflight.py, into `Checked`.
   plan      PlanSettings    the memory plan's overrides and limits; the dry run's world
   output    OutputSettings  run folder, resume, checkpoints, export, logging
   watch     WatchSettings   failure and stop timeouts (job_watch.py, stop.py)
+  eval      EvalSettings    the evaluation at --seq-len, or None (evaluation.py)
 """
 
 from __future__ import annotations
@@ -136,6 +137,29 @@ class OutputSettings:
 
 
 @dataclass(frozen=True)
+class EvalSettings:
+    """The evaluation at --seq-len (evaluation.py). source None: the held-out windows after the run's; every 0: at the
+    end only; sequences None: one window per DP group; depths: the passkey's (empty: none)."""
+
+    source: str | None
+    every: int
+    at_start: bool
+    sequences: int | None
+    depths: tuple[float, ...]
+
+    def windows(self, dp_size: int) -> int:
+        return self.sequences or dp_size
+
+    def held_out(self, dp_size: int) -> int:
+        """Windows to read from --data after the run's, for the evaluation (0: it has its own text)."""
+        return 0 if self.source is not None else self.windows(dp_size)
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether the evaluation runs after step `step` (1-based) of `steps`."""
+        return step == steps or (self.every > 0 and step % self.every == 0)
+
+
+@dataclass(frozen=True)
 class WatchSettings:
     node_timeout_s: float
     stop_grace_s: float
@@ -186,7 +210,13 @@ class RunSettings:
         self.output = OutputSettings(folder, flags.resume, flags.save_every, flags.keep_checkpoints, flags.export,
                                      flags.export_merged, flags.tensorboard, flags.wandb_project)
         self.watch = WatchSettings(flags.node_timeout_s, flags.stop_grace_s)
+        self.eval = None  # no evaluation
+        if flags.evaluates:
+            from .evaluation import passkey_depths
+
+            self.eval = EvalSettings(flags.eval_data, flags.eval_every, flags.eval_at_start, flags.eval_sequences,
+                                     passkey_depths(flags.eval_passkey_depths))
 
 
-__all__ = ["ModelSettings", "ObjectiveSettings", "OptimSettings", "OutputSettings", "ParallelSettings", "PlanSettings",
+__all__ = ["EvalSettings", "ModelSettings", "ObjectiveSettings", "OptimSettings", "OutputSettings", "ParallelSettings", "PlanSettings",
            "RunSettings", "StreamSettings", "WatchSettings"]
