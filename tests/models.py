@@ -91,3 +91,38 @@ def build(family: str, seed: int = 0, yarn_to: int | None = None, **overrides):
                     a_log = layer.linear_attn.A_log
                     a_log.copy_(torch.linspace(0.1, 1.0, a_log.numel()).log())
     return model.train()
+
+
+# Multimodal checkpoints as published (composite.py): a vision tower, a projector and a language model, the text
+# settings under text_config. A few hundred weights of vision, so that "kept as loaded" is checked on real tensors.
+COMPOSITE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "gemma3")
+
+
+def composite_config(family: str, vocab_size: int = VOCAB, **text_overrides):
+    """The tiny *ForConditionalGeneration config of `family`: its text model tiny_config's (Gemma 3's sliding and
+    global layers, Qwen3.5's DeltaNet and gated full layers with their multimodal RoPE sections)."""
+    import transformers
+
+    text = tiny_config("gemma3" if family == "gemma3" else family, vocab_size=vocab_size, **text_overrides)
+    text = {k: v for k, v in text.to_dict().items() if k not in ("architectures", "transformers_version")}
+    if family == "gemma3":
+        # As published (Gemma 3 caps no logits): Gemma3ForConditionalGeneration's forward ignores the cap anyway.
+        text["final_logit_softcapping"] = None
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                      patch_size=4)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                         attn_implementation="sdpa")
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=4, num_position_embeddings=16)
+    name = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig"}[family]
+    return getattr(transformers, name)(text_config=text, vision_config=vision, attn_implementation="sdpa")
+
+
+def build_composite(family: str, seed: int = 0, **text_overrides):
+    """The tiny multimodal model of `family`, fp32, in train mode (its own *ForConditionalGeneration class)."""
+    from transformers import AutoModelForImageTextToText
+
+    config = composite_config(family, **text_overrides)
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, dtype=torch.float32).train()

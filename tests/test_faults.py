@@ -6,8 +6,10 @@ several things.
 """
 
 import json
+import math
 import os
 import re
+import shlex
 
 from pathlib import Path
 
@@ -53,7 +55,6 @@ def test_an_edit_that_keeps_size_and_mtime_is_noticed_on_resume(tmp_path):
 
 def _resume_worker(rank, world_size, tmp):
     import logging
-    import math
     from dataclasses import replace
 
     from tests.test_training import train_worker
@@ -76,16 +77,19 @@ def _resume_worker(rank, world_size, tmp):
         result["killed_lrs"] = [json.loads(line)["lr"] for line in open("longer/metrics.jsonl")]
         longer = parse_args(["--resume", "--output-dir", "longer", "--steps", "8"])
         result["longer"] = train_worker(rank, world_size, longer)
-        # A resume with lr inf: the step-3 update leaves inf in the weights, which no checkpoint may hold.
+        # A resume with lr 1e30 (issue 45): the step-3 update leaves finite weights of ~1e29, whose step 4 would
+        # overflow; the divergence guard stops the run before step 3 is saved.
         train_worker(rank, world_size, replace(base, output_dir="div"), 2)
         try:
-            train_worker(rank, world_size, replace(base, output_dir="div", resume=True, lr=math.inf))
+            train_worker(rank, world_size, replace(base, output_dir="div", resume=True, lr=1e30))
         except NonFiniteError as e:
             result["nonfinite"] = str(e)
         result["div_latest"] = open("div/checkpoints/latest").read()
-        # With a DeepSpeed config that changes only logging and ZeRO-3's bucket and prefetch sizes: applied.
-        result["recovered"] = train_worker(rank, world_size, replace(base, output_dir="div", resume=True,
-                                                                     ds_config="ds_logging.json"))
+        # The advised resume, with a DeepSpeed config that changes only logging and ZeRO-3's bucket and prefetch
+        # sizes: applied.
+        advised = re.search(r"continue from it with (--resume .*?) \(", result.get("nonfinite", "")).group(1)
+        result["recovered"] = train_worker(rank, world_size, parse_args([*shlex.split(advised), "--ds-config",
+                                                                          "ds_logging.json"]))
     finally:
         logging.getLogger("ulysses_lc.train.loop").removeHandler(handler)
     result["lines"] = lines
@@ -113,21 +117,107 @@ def test_flags_on_resume_apply_with_a_line_and_metrics_hold_each_step_once(tmp_p
     lrs = [r["lr"] for r in result["longer"]]
     assert len(lrs) == 6 and lrs[0] < result["killed_lrs"][1], (result["killed_lrs"], lrs)  # from step 2's lr, down
     assert all(b <= a for a, b in zip(lrs, lrs[1:])), lrs
-    assert abs(lrs[-1] - 0.1 * 3e-3) < 1e-12, lrs  # the floor (min_lr_ratio 0.1) at the new last step
+    # Each logged lr is the one its step trained with (issue 40): step 3's is the killed run's step 3's (no jump), and
+    # the decay spans the 6 resumed steps down to the floor (min_lr_ratio 0.1) after the last, 5/6 of the way at it.
+    floor = 0.1 * 3e-3
+    assert abs(lrs[0] - result["killed_lrs"][2]) < 1e-12, (result["killed_lrs"], lrs)
+    assert abs(lrs[-1] - (floor + (lrs[0] - floor) * 0.5 * (1 + math.cos(math.pi * 5 / 6)))) < 1e-12, lrs
     metrics = [json.loads(line) for line in (tmp_path / "longer" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 9))  # step 3 of the killed run replaced, not repeated
     run = json.loads((tmp_path / "longer" / "run.json").read_text())
     assert run["steps"] == 8 and run["seq_len"] == 256
     assert [(r["step"], r["changed"]) for r in run["resumes"]] == [(2, {"steps": [4, 8]})]
-    # A new --lr applies (inf: the run stops at once), and the state it made is never saved nor named as good.
+    # A new --lr applies (1e30: the run stops at once), and the state it made is never saved nor named as good.
     message = result.get("nonfinite")
-    assert message is not None, "the resumed --lr inf was ignored"
-    assert "--lr 0.003 -> inf on resume" in text
-    assert "step 3:" in message and "Last good checkpoint: div/checkpoints/step2." in message, message
+    assert message is not None, "the resumed --lr 1e30 was ignored"
+    assert "--lr 0.003 -> 1e+30 on resume" in text
+    assert "step 3:" in message and "its update grew the trained weights' norm" in message, message
+    assert "Last good checkpoint: div/checkpoints/step2." in message, message
+    assert "continue from it with --resume --output-dir div --lr 0.003 (" in message, message
     assert result["div_latest"] == "step2"
-    # The named checkpoint with a lower lr goes on, on the uninterrupted run's trajectory (its DeepSpeed config's
-    # smaller buckets and no persistent parameters schedule the same values).
+    # The advised resume from the named checkpoint goes on to the end, on the uninterrupted run's trajectory (its
+    # DeepSpeed config's smaller buckets and no persistent parameters schedule the same values).
     np.testing.assert_allclose(losses_of(result["recovered"]), losses_of(result["full"])[2:], rtol=1e-6)
+
+
+# -- bad learning rates (issue 45) -----------------------------------------------------------------------------
+
+def _bad_lr_worker(rank, world_size, tmp):
+    import ulysses_lc.train.loop as loop
+    from tests.test_training import train_worker
+    from ulysses_lc.train import CheckFailed, NonFiniteError, parse_args
+
+    os.chdir(tmp)
+    result = {"refused": {}}
+    flags = ["--model", "tiny", "--data", "tiny", "--seq-len", "256", "--steps", "4", "--save-every", "1",
+             "--cache-dir", "cache", "--no-export"]
+    load = loop.load_model
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the weights loaded before the flags were checked")
+
+    loop.load_model = loading
+    try:
+        for lr in ("inf", "nan", "-1"):
+            try:
+                train_worker(rank, world_size, parse_args([*flags, "--lr", lr, "--output-dir", f"refused{lr}"]))
+            except CheckFailed as e:
+                result["refused"][lr] = str(e)
+    finally:
+        loop.load_model = load
+    # From the start at lr 1e30: step 1's update blows the weights up; nothing was saved, so the advice is a new
+    # start, whose flags are then run as printed.
+    try:
+        train_worker(rank, world_size, parse_args([*flags, "--lr", "1e30", "--output-dir", "scratch"]))
+    except NonFiniteError as e:
+        result["scratch"] = str(e)
+    result["scratch_saved"] = os.path.exists("scratch/checkpoints")
+    again = re.search(r"your launcher and script as before: (.*)$", result.get("scratch", "")).group(1)
+    result["again"] = train_worker(rank, world_size, parse_args(shlex.split(again)))
+    # With the guard off, step 3's blown-up weights are saved and step 4 is not finite: the checkpoint of step 3 led
+    # to it, so step 2's is named and `latest` points at it; the advised resume trains on to the end.
+    off = [*flags, "--lr", "3e-3", "--output-dir", "off", "--max-weight-growth", "0"]
+    train_worker(rank, world_size, parse_args(off), 2)
+    try:
+        train_worker(rank, world_size, parse_args(["--resume", "--output-dir", "off", "--lr", "1e30"]))
+    except NonFiniteError as e:
+        result["off"] = str(e)
+    result["off_latest"] = open("off/checkpoints/latest").read()
+    advised = re.search(r"continue from it with (--resume .*?) \(", result.get("off", "")).group(1)
+    result["off_resumed"] = train_worker(rank, world_size, parse_args(shlex.split(advised)))
+    return result
+
+
+def test_a_bad_lr_is_refused_and_a_blown_up_update_stops_before_its_save_with_advice_that_works(tmp_path):
+    from tests._dist import run_shared
+    from tests.test_training import losses_of
+
+    result = run_shared(_bad_lr_worker, 2, str(tmp_path), kind="deepspeed")[0]
+    # Refused in the start-up checks, before the weights load, naming the flag and its fix.
+    for lr in ("inf", "nan", "-1"):
+        assert f"--lr {lr} must be a positive finite number: the peak learning rate" in result["refused"].get(lr, ""), \
+            result["refused"]
+        assert not (tmp_path / f"refused{lr}").exists()
+    # Step 1 at lr 1e30: stopped by the guard before its save (finite weights of ~1e30 were saved and named "last
+    # good" before), with the flags that start the run again at a lower lr; those train the 4 steps finitely.
+    message = result.get("scratch")
+    assert message is not None and message.startswith("step 1: loss "), message
+    assert "its update grew the trained weights' norm from " in message and "Last good checkpoint: none." in message
+    assert not result["scratch_saved"]
+    assert message.endswith("--model tiny --seq-len 256 --data tiny --steps 4 --lr 0.003 --output-dir scratch "
+                            "--save-every 1 --cache-dir cache --no-export"), message
+    losses = losses_of(result["again"])
+    assert len(losses) == 4 and all(np.isfinite(losses)), losses
+    metrics = [json.loads(line) for line in (tmp_path / "scratch" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and metrics[0]["loss"] == losses[0]  # the new start's, once
+    assert (tmp_path / "scratch" / "checkpoints" / "latest").read_text() == "step4"
+    # Guard off: a non-finite step 4 names step 2's checkpoint, not the blown-up step 3's its resume would meet again.
+    message = result.get("off")
+    assert message is not None and message.startswith("step 4: loss ") and "not finite" in message, message
+    assert "`latest` now names step2" in message and "Last good checkpoint: off/checkpoints/step2." in message, message
+    assert result["off_latest"] == "step2"
+    losses = losses_of(result["off_resumed"])
+    assert len(losses) == 2 and all(np.isfinite(losses)), losses
 
 
 def test_resume_takes_the_saved_settings_and_refuses_what_cannot_change(tmp_path):

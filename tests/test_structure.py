@@ -95,7 +95,7 @@ FLOORS = {
     "train": 7,
     "eval_command": 8,  # ulysses-lc-eval: the evaluation of model folders, loading them as the main job does
 }
-GROUND = {"constants", "handle", "layers", "shape", "recompute", "tiny", "peft_support", "moved"}
+GROUND = {"constants", "handle", "layers", "shape", "composite", "recompute", "tiny", "peft_support", "moved"}
 # Modules standing on a floor of their own, above their folder's: the command of a part the main job also uses.
 COMMANDS = {"eval.cli": "eval_command", "eval.__main__": "eval_command"}
 

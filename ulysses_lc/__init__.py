@@ -4,13 +4,14 @@ The package is laid out by what each part is, lowest floor first; a floor import
 (tests/test_structure.py holds the rule). README.md, "How a step flows", follows one step through them.
 
   ground         constants, handle (what every install_* returns), layers (where a model keeps its decoder
-                 layers), shape (ModelShape, read once from the config), recompute (the checkpointing <-> attention
-                 channel), peft_support, tiny (the tiny model and text of the embedded default)
+                 layers), shape (ModelShape, read once from the config), composite (the language model of a
+                 multimodal checkpoint, and its export in the checkpoint's own files), recompute (the checkpointing
+                 <-> attention channel), peft_support, tiny (the tiny model and text of the embedded default)
   parallel/      process groups and data placement: distributed, layout, sharding, exchange, zero_reshard, ds_config
   mixers/        what runs on the whole sequence after the exchange: attention, kernels, explicit_attention,
                  window_attention, linear_attention, fallbacks
   levers/        the memory levers: chunked_loss, checkpointing, host_pool, tiled_mlp, rmsnorm, yarn
-  objectives/    what a step minimises over the SP group: loss, preference (DPO / IPO)
+  objectives/    what a step minimises over the SP group: loss, router_loss (MoE), preference (DPO / IPO)
   plan/          the sizing model: memory, memory_model, sizing, metrics
   data/          the token stream: sources, tokenize, cache, packing, pairs
   model.py       SequenceParallelCausalLM: the pieces around a HF model; plan_step, plain names

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .composite import freeze_outside_language_model
 from .mixers import fallbacks
 from .mixers.attention import install_ulysses_attention
 from .levers.checkpointing import install_checkpointing
@@ -26,11 +27,11 @@ from .parallel.layout import ParallelLayout
 from .objectives.loss import sp_mean_loss
 from .objectives.router_loss import install_router_loss
 from .plan.memory import MemoryPlan, optimizer_reserved_bytes, plan_step_memory
-from .peft_support import causal_lm, check_peft_model
+from .peft_support import base_model, causal_lm, check_peft_model
 from .objectives.preference import document_log_probs
 from .recompute import RecomputeContext
 from .levers.rmsnorm import install_efficient_rmsnorm
-from .shape import ModelShape
+from .shape import ModelShape, text_config
 from .levers.tiled_mlp import install_tiled_mlp, plain_parameter_name
 
 
@@ -43,8 +44,8 @@ def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
 
 
 class SequenceParallelCausalLM(nn.Module):
-    """Wraps `model` (a transformers *ForCausalLM, or a peft PeftModel of one) for sequence-parallel training over
-    `layout`.
+    """Wraps `model` (a transformers *ForCausalLM, a multimodal *ForConditionalGeneration whose language model
+    trains, or a peft PeftModel of either) for sequence-parallel training over `layout`.
 
     forward(input_ids, position_ids, labels, cu_seqlens=None, token_mask=None) -> loss: mean over the valid tokens of
     the whole sequence (all SP ranks), identical on each of them, plus the MoE routers' load-balancing term where the
@@ -52,7 +53,9 @@ class SequenceParallelCausalLM(nn.Module):
     tensor, read it after the step). The wrapped model stays a normal HF model (`.model`): save or
     export it as usual, after `undo()` if you want the plain modules back. A PeftModel stays one: the levers act
     on the transformers model under it (`.causal_lm`, peft_support.py), only its trainable parameters take
-    gradients, and its `save_pretrained` writes the adapter.
+    gradients, and its `save_pretrained` writes the adapter. A multimodal model stays one too: the levers act on its
+    language model, and everything else (the vision tower, the projector) is frozen here, so it is saved as loaded
+    (composite.py).
 
     The memory levers, each exact, are on by default; build this wrapper before `deepspeed.initialize`
     (ZeRO-3 registers its hooks on the modules as they are then). Each is installed through its own
@@ -96,6 +99,7 @@ class SequenceParallelCausalLM(nn.Module):
         if plan is not None and not checkpointing:
             raise ValueError("a memory plan chooses which layers are checkpointed; it needs checkpointing=True.")
         check_peft_model(model, chunked_loss=bool(chunked_loss))
+        freeze_outside_language_model(base_model(model))
         self.model = model
         self.layout = layout
         self.shape = ModelShape.from_config(model.config)
@@ -210,7 +214,7 @@ class SequenceParallelCausalLM(nn.Module):
         from .levers.yarn import describe_rope_scaling
 
         layout, config = self.layout, self.config
-        layers = config.num_hidden_layers
+        layers = text_config(config).num_hidden_layers
         ranks = f"{layout.world_size} rank{'s' if layout.world_size > 1 else ''}"
         why = "the GPU" if device.type == "cuda" else "no GPU: every layer checkpointed"
         return [

@@ -13,6 +13,9 @@ same mask in the recompute as in the forward, as torch's checkpoint does for who
 gradient, so ZeRO-3 gives them no fp32 master, gradient or optimizer moments (`memory.zero3_state_bytes`'s
 `trainable_params`).
 
+On a multimodal model (composite.py) the adapters go on its language model's modules only (`apply_peft`): its vision
+tower has projections of the same names, which would train nothing and decay.
+
 Refused, with the fix (`check_peft_model`): prompt-learning methods (prefix and prompt tuning, p-tuning) and
 adaption prompts, which prepend virtual tokens or attention of their own that the sequence's slices do not hold;
 and an adapter or a trainable copy on the LM head under the chunked loss, which multiplies the hidden states by the
@@ -21,7 +24,12 @@ head's weight directly, so the adapter would silently not be trained.
 
 from __future__ import annotations
 
+import copy
+import re
+
 import torch.nn as nn
+
+from .composite import is_composite, language_model, meta_model, model_class
 
 # The projections of a decoder layer that `--lora-targets all` adapts: attention and MLP (Llama, Qwen3, ...), and the
 # gated DeltaNet layer's own (Qwen3.5: in_proj_qkv / _z / _b / _a; Qwen3-Next: in_proj_qkvz / _ba; both: out_proj),
@@ -37,9 +45,15 @@ def is_peft_model(model) -> bool:
     return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
 
 
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers *ForCausalLM the levers act on: `model` itself, or the one under a PeftModel."""
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model: `model` itself, or the one under a PeftModel."""
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers *ForCausalLM the levers act on: `model` itself, the one under a PeftModel, or the language
+    model of a multimodal model (composite.language_model)."""
+    return language_model(base_model(model))
 
 
 def check_peft_model(model: nn.Module, chunked_loss: bool = True) -> None:
@@ -89,6 +103,13 @@ def apply_peft(model: nn.Module, config) -> nn.Module:
         from peft import get_peft_model
     except ImportError as e:
         raise ValueError(f"a peft config was given: {_NEEDS_PEFT} ({e}).") from e
+    targets = getattr(config, "target_modules", None)
+    if is_composite(model.config) and isinstance(targets, (list, set, tuple)):
+        # A vision tower has q_proj / out_proj too (SigLIP): only the language model's modules get adapters.
+        decoder = language_model(model).model
+        prefix = next(name for name, module in model.named_modules() if module is decoder)
+        config = copy.deepcopy(config)
+        config.target_modules = rf"{re.escape(prefix)}\.(?:.*\.)?(?:{'|'.join(map(re.escape, sorted(targets)))})"
     return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
@@ -96,10 +117,8 @@ def count_trainable_parameters(model_config, peft_config) -> tuple[int, int]:
     """(all, trainable) parameters of the model `model_config` builds with `peft_config` applied, counted on the meta
     device (no memory, no weights): what the dry run sizes ZeRO-3's state with."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(model_config)
+    base = meta_model(model_config)
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)})
     targets = getattr(peft_config, "target_modules", None)
     named = isinstance(targets, (list, set, tuple)) and set(targets) != set(ALL_LINEAR_TARGETS)  # "all": those it has
@@ -116,14 +135,12 @@ def count_trainable_parameters(model_config, peft_config) -> tuple[int, int]:
 def merged_model(peft_model: nn.Module, state: dict) -> nn.Module:
     """A plain transformers model with the adapters of `state` (the PeftModel's own state-dict keys, full tensors on the
     host) merged into its weights: a fresh copy of the base on the host, the state loaded, `merge_and_unload`."""
-    import copy
-
     import torch
-    from transformers import AutoModelForCausalLM
 
     dtype = next(iter(state.values())).dtype
+    config = copy.deepcopy(base_model(peft_model).config)
     with torch.device("meta"):
-        fresh = AutoModelForCausalLM.from_config(copy.deepcopy(causal_lm(peft_model).config), dtype=dtype)
+        fresh = model_class(config).from_config(config, dtype=dtype)
     # Every weight comes from `state`; the non-persistent buffers (rotary frequencies) are not saved either way.
     adapted = apply_peft(fresh.to_empty(device="cpu"), copy.deepcopy(peft_model.peft_config["default"]))
     missing, unexpected = adapted.load_state_dict(state, strict=False)
@@ -133,5 +150,5 @@ def merged_model(peft_model: nn.Module, state: dict) -> nn.Module:
     return adapted.merge_and_unload()
 
 
-__all__ = ["ALL_LINEAR_TARGETS", "apply_peft", "causal_lm", "check_peft_model", "count_trainable_parameters",
+__all__ = ["ALL_LINEAR_TARGETS", "apply_peft", "base_model", "causal_lm", "check_peft_model", "count_trainable_parameters",
            "is_peft_model", "lora_config", "merged_model"]

@@ -24,14 +24,17 @@ from pathlib import Path
 
 import torch
 
+from ..data.cache import default_cache_dir
 from ..data.settings import DataSettings
 from ..levers.yarn import plan_rope, trained_length
 from ..model import SequenceParallelCausalLM
 from ..mixers.kernels import KERNELS
 from ..parallel.distributed import destroy_distributed, init_distributed
 from ..parallel.layout import ParallelLayout
+from ..shape import text_config
 from ..tiny import TINY_MODELS
 from ..train.console import quiet_warnings
+from ..train.files import folder_owner
 from ..train.loading import load_model, load_model_config, load_tokenizer
 from ..train.run_state import run_name
 from .data import eval_windows
@@ -98,9 +101,12 @@ def run(argv=None) -> dict:
     config = load_model_config(args.model)
     mark = args.trained_length or _trained_length(config)
     data = args.data or ("tiny" if args.model in TINY_MODELS else "pg19:test")
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    # One builder per copy of the cache folder: shared by the nodes or one on each node's disk (train/files.py).
+    builder = folder_owner(cache_dir, layout).writes if layout.world_size > 1 else None
     windows = eval_windows(data, tokenizer, args.seq_len, args.sequences or layout.dp_size,
-                           shape=DataSettings(text_column=args.text_column), cache_dir=args.cache_dir,
-                           builder=rank0 if layout.world_size > 1 else None, progress=rank0)
+                           shape=DataSettings(text_column=args.text_column), cache_dir=cache_dir, builder=builder,
+                           progress=rank0)
     haystacks = build_haystacks(tokenizer, [w.input_ids for w in windows], args.seq_len, depths, args.passkey_seeds,
                                 args.passkey_digits) if depths else []
     results = {}
@@ -112,7 +118,7 @@ def run(argv=None) -> dict:
             logger.info("%s (%s): %s, RoPE %s", name, folder, f"{len(windows)} window(s) of {args.seq_len:,} tokens, "
                         f"{len(haystacks)} haystack(s)", rope)
         results[name] = evaluate(model, windows, haystacks, buckets=buckets, trained_length=mark,
-                                 pad_token_id=tokenizer.pad_token_id or 0, vocab_size=_text(config).vocab_size)
+                                 pad_token_id=tokenizer.pad_token_id or 0, vocab_size=text_config(config).vocab_size)
         _release(model)
     if rank0:
         _report(results, args, data)
@@ -132,11 +138,6 @@ def _names(args) -> list[str]:
     if a.name == b.name:  # two hf_export folders: name them by their runs
         return [f"{a.parent.name}/{a.name}", f"{b.parent.name}/{b.name}"]
     return [run_name(args.model), run_name(args.compare)]
-
-
-def _text(config):
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def _trained_length(config) -> int | None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..mixers.attention import check_model_for_ulysses
 from ..parallel.layout import ParallelLayout
 from ..model import SequenceParallelCausalLM
+from ..shape import text_config
 from ..peft_support import is_peft_model
 from ..objectives.preference import LOSS_TYPES, PreferenceBatch, PreferenceLoss, check_pair, reference_log_probs, shard_pairs
 from ..parallel.sharding import ShardedBatch
@@ -121,7 +122,7 @@ class UlyssesDPOMixin:
                     check_row(row, max_length, where=f"row {i}")
 
     def _collate_fn(self, pad_token_id: int):
-        return PairCollator(self.layout, self.model.config.vocab_size, pad_token_id)
+        return PairCollator(self.layout, text_config(self.model.config).vocab_size, pad_token_id)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch = PreferenceBatch(

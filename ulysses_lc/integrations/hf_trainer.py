@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ..composite import save_model
 from ..mixers.attention import check_model_for_ulysses
 from ..constants import IGNORE_INDEX
 from ..data import pad_token_id
@@ -49,6 +50,7 @@ from ..parallel.distributed import init_distributed, seed_step
 from ..parallel.layout import ParallelLayout
 from .trainer_engine import check_engine_mpu, deepspeed_initialize_with_mpu
 from ..model import SequenceParallelCausalLM
+from ..shape import text_config
 from ..parallel.sharding import document_lengths_from_positions, shard_batch
 
 logger = logging.getLogger(__name__)
@@ -156,8 +158,9 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
                          "would attend to each other; use packing_strategy='bfd' (ulysses_lc trains its documents "
                          "apart, from their position ids).")
     if seq_len is not None and model is not None:
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        rope_type = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+        cfg = text_config(model.config)
+        max_positions = getattr(cfg, "max_position_embeddings", None)
+        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
         if max_positions is not None and seq_len > max_positions and rope_type == "default":
             raise ValueError(f"seq_len={seq_len:,} is longer than the model's {max_positions:,} positions and it has "
                              "no RoPE scaling; load it with ulysses_lc.load_model_for_length(name, seq_len) (YaRN).")
@@ -238,7 +241,7 @@ class UlyssesTrainerMixin:
         pass
 
     def _collate_fn(self, pad_token_id: int):
-        return ShardingCollator(self.data_collator, self.layout, self.model.config.vocab_size, pad_token_id)
+        return ShardingCollator(self.data_collator, self.layout, text_config(self.model.config).vocab_size, pad_token_id)
 
     # -- DeepSpeed gets our mpu wherever the Trainer may initialise it --
     def train(self, *args, **kwargs):
@@ -343,8 +346,8 @@ class UlyssesTrainerMixin:
         if state_dict is None:
             state_dict = wrapper.state_dict()
         hf_state = wrapper.plain_state_dict(state_dict)
-        if hf_state:
-            wrapper.model.save_pretrained(output_dir, state_dict=hf_state)
+        if hf_state:  # a multimodal model into a copy of its source's files (composite.py)
+            save_model(wrapper.model, hf_state, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))

@@ -41,6 +41,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+from ..shape import text_config
+
 logger = logging.getLogger(__name__)
 
 # Keys of an existing YaRN recipe that describe the model, not the length, so they carry over.
@@ -61,11 +63,12 @@ def _log_once(level: int, message: str) -> None:
 
 
 def _per_layer_type(config) -> bool:
-    params = getattr(config, "rope_parameters", None) or {}
+    params = getattr(text_config(config), "rope_parameters", None) or {}
     return any(isinstance(value, dict) for value in params.values())
 
 
 def _rope_parameters(config) -> dict:
+    config = text_config(config)
     params = getattr(config, "rope_parameters", None) or {}
     if _per_layer_type(config):
         if not isinstance(params.get("full_attention"), dict):
@@ -84,7 +87,8 @@ def _rope_parameters(config) -> dict:
 
 
 def _original(config, params: dict) -> int | None:
-    original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    original = (params.get("original_max_position_embeddings")
+                or getattr(text_config(config), "original_max_position_embeddings", None))
     return int(original) if original else None
 
 
@@ -95,7 +99,7 @@ def trained_length(config) -> int:
         original = _original(config, params)
         if original:
             return original
-    return int(config.max_position_embeddings)
+    return int(text_config(config).max_position_embeddings)
 
 
 def covered_length(config) -> int:
@@ -104,7 +108,7 @@ def covered_length(config) -> int:
     kind, original = params.get("rope_type", "default"), _original(config, params)
     if kind in ("yarn", "linear") and original:
         return int(original * params.get("factor", 1.0))
-    return int(config.max_position_embeddings)
+    return int(text_config(config).max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -119,13 +123,13 @@ class RopePlan:
     max_positions: int | None = None
 
     def apply(self, config):
-        """Write the plan into `config` (in place) and return it."""
+        """Write the plan into `config` (in place; a multimodal config's text_config) and return it."""
         if self.params is not None:
-            params = self.params
-            if _per_layer_type(config):
-                params = {**config.rope_parameters, "full_attention": params}
-            config.rope_parameters = params
-            config.max_position_embeddings = max(int(config.max_position_embeddings), self.max_positions)
+            text, params = text_config(config), self.params
+            if _per_layer_type(text):
+                params = {**text.rope_parameters, "full_attention": params}
+            text.rope_parameters = params
+            text.max_position_embeddings = max(int(text.max_position_embeddings), self.max_positions)
         return config
 
 
@@ -231,7 +235,7 @@ def apply_yarn(config, target_length: int, factor: float | None = None, *, rope_
 
 def describe_rope_scaling(config) -> str:
     """One phrase for a log: the config's RoPE scaling (the full-attention layers' where it is per layer type)."""
-    params, where = getattr(config, "rope_parameters", None) or {}, ""
+    params, where = getattr(text_config(config), "rope_parameters", None) or {}, ""
     if _per_layer_type(config):
         params, where = params.get("full_attention") or {}, " on the full-attention layers"
     kind = params.get("rope_type", "default")
@@ -244,19 +248,23 @@ def describe_rope_scaling(config) -> str:
 
 def load_model_for_length(name_or_path: str, target_length: int, factor: float | None = None, *,
                           rope_scaling: str = "pretrained", **from_pretrained_kwargs):
-    """`AutoModelForCausalLM.from_pretrained` with its RoPE planned for `target_length` tokens (`plan_rope`).
+    """`from_pretrained` with its RoPE planned for `target_length` tokens (`plan_rope`): AutoModelForCausalLM's model,
+    or for a multimodal checkpoint (Qwen3.5, Gemma 3 4B+) its own *ForConditionalGeneration, whose language model
+    SequenceParallelCausalLM trains and whose `save_pretrained` writes the checkpoint's layout (composite.py).
 
     Extra keyword arguments go to from_pretrained (those that locate files also to AutoConfig);
     a `config=` argument is used as the base config instead of loading one.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from ..composite import model_class
 
     config = from_pretrained_kwargs.pop("config", None)
     if config is None:
         config_kwargs = {k: from_pretrained_kwargs[k] for k in _CONFIG_KWARGS if k in from_pretrained_kwargs}
         config = AutoConfig.from_pretrained(name_or_path, **config_kwargs)
     apply_yarn(config, target_length, factor, rope_scaling=rope_scaling)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
+    return model_class(config).from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
 
 
 __all__ = ["ROPE_SCALING_CHOICES", "RopePlan", "apply_yarn", "covered_length", "describe_rope_scaling",

@@ -168,6 +168,7 @@ class StepLogger:
     peak_tflops: per-GPU ceiling for MFU, e.g. `measure_peak_bf16_tflops()`.
     GPU memory is `torch.cuda.max_memory_allocated` of this rank since the start (or since the
     caller last reset it); pass `gpu_mem_gb` to `log` to report another figure (e.g. max over ranks).
+    start_step: the step the run continues from; lines past it in an existing `metrics.jsonl` go (each step once).
     """
 
     def __init__(
@@ -199,8 +200,8 @@ class StepLogger:
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if start_step and self.jsonl_path.is_file():
-            self._drop_after(start_step)
+        if self.jsonl_path.is_file():  # a run from step 0 in the folder of a start that stopped before its first
+            self._drop_after(start_step)  # checkpoint (divergence.py's advice) begins the file anew
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -7,6 +7,7 @@
   check_output_dir, ...      output-dir policy, RNG, save and resume              (run_state.py)
   resolve, record_resume     --resume and the flags: taken, applied or refused     (resume.py)
   verify, finite_state       checkpoint manifests (size, CRC-32), finite state    (checkpoint_files.py)
+  StepGuard, NonFiniteError  a step gone wrong or blown up stops before its save  (divergence.py)
   hold_run_folder            one job per run folder: a lock for the run's life    (run_lock.py)
   StopRequest, Stopped       SIGTERM/SIGINT/launcher's end: stop at a step, saved (stop.py)
   export_hf_model            consolidated Hugging Face model at the end           (export.py)
@@ -25,7 +26,8 @@ from .export import EXPORT_DIR, export_hf_model, gather_state_dict
 from .loading import load_model, load_model_config, load_tokenizer
 from .dry_run import dry_run
 from .cli import main
-from .loop import NonFiniteError, train
+from .divergence import NonFiniteError
+from .loop import train
 from .preflight import CheckFailed, preflight
 from .schedule import lr_lambda
 from .settings import RunSettings

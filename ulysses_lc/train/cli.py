@@ -155,7 +155,7 @@ def _is_lost_peer(e: BaseException) -> bool:
 
 def _fail(e: BaseException) -> None:
     from .checkpoint_files import SaveFailed
-    from .loop import NonFiniteError
+    from .divergence import NonFiniteError
     from .preflight import CheckFailed
 
     rank = _rank()

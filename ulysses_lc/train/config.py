@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import math
 import os
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, fields
 
 from ..mixers.explicit_attention import valid_head_groups
 from ..mixers.kernels import KERNELS
@@ -24,6 +26,11 @@ from .launcher import LAUNCH_FIELDS, add_launch_flags
 from .schedule import SCHEDULES
 
 TINY = "tiny"
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a TrainConfig field."""
+    return "--" + {"wandb_project": "wandb"}.get(field, field.replace("_", "-"))
 
 
 class CheckFailed(ValueError):
@@ -69,6 +76,9 @@ class TrainConfig:
     warmup_steps: int = 1
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
+    # Stop before saving a step that grew the trained weights' norm past (1 + this) x its norm before (divergence.py);
+    # 0: off.
+    max_weight_growth: float = 1.0
     ds_config: str = "zero3"  # a shipped config by name (ds_config.CONFIG_NAMES) or a JSON path
     output_dir: str | None = None  # None: a new runs/<model>-<time> per run (the latest one on --resume)
     resume: bool = False
@@ -127,8 +137,7 @@ class TrainConfig:
             raise ValueError(f"--steps {self.steps}: train at least one step.")
         if self.global_batch is not None and self.global_batch < 1:
             raise ValueError(f"--global-batch {self.global_batch}: an optimizer step takes at least one sequence.")
-        if self.lr <= 0:
-            raise ValueError(f"--lr {self.lr} must be positive.")
+        self._check_numbers()
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"--lr-schedule {self.lr_schedule!r}: pick constant, linear or cosine.")
         if self.keep_checkpoints < 0:
@@ -173,6 +182,28 @@ class TrainConfig:
             if value is not None and value < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 0 (leave it out to plan from memory).")
 
+    def _check_numbers(self) -> None:
+        """The float flags: finite (argparse takes inf and nan), and each in its range."""
+        if not (math.isfinite(self.lr) and self.lr > 0):  # inf trains one step, then stops with nothing to resume
+            raise ValueError(f"--lr {self.lr:g} must be a positive finite number: the peak learning rate (default "
+                             f"{TrainConfig.lr:g}; the tiny models' {TINY_DEFAULTS['lr']:g}).")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                default = getattr(TrainConfig, f.name, None)
+                hint = f" (default {default:g})" if isinstance(default, (int, float)) else ""
+                raise ValueError(f"{flag_of(f.name)} {value} is not a finite number: give a finite value{hint}.")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps {self.warmup_steps} must be >= 0 (0: no warmup).")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio:g}: the final lr as a fraction of --lr, in [0, 1].")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight-decay {self.weight_decay:g} must be >= 0 (0: none).")
+        if self.max_weight_growth < 0:
+            raise ValueError(f"--max-weight-growth {self.max_weight_growth:g} must be >= 0 (0 turns the divergence "
+                             f"guard off; default {TrainConfig.max_weight_growth:g}).")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha {self.lora_alpha:g} must be positive (default 2 x --lora-r).")
 
     def _check_method(self) -> None:
         if self.method not in ("sft", "dpo"):
@@ -276,6 +307,10 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr as a fraction of --lr")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    p.add_argument("--max-weight-growth", type=float, default=d.max_weight_growth,
+                   help="stop the run, before saving it, at a step whose update grew the trained weights' norm by more "
+                        f"than this fraction (default {d.max_weight_growth:g}: the norm doubled, where a fine-tune's "
+                        "step grows it by ~1e-7 and the tiny model's by ~2e-3; 0: off)")
     p.add_argument("--ds-config", default=d.ds_config,
                    help="DeepSpeed config: a shipped one by name (zero3, zero3_offload_optimizer, zero3_offload_all; "
                         f"default {d.ds_config}) or a JSON file")
@@ -387,6 +422,27 @@ def parse_args(argv=None) -> TrainConfig:
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
     values = {k: (v if v is not None else defaults.get(k, getattr(d, k))) for k, v in args.items()}
     return TrainConfig(**values, flags_given=_given(argv))
+
+
+def as_flags(cfg: TrainConfig) -> str:
+    """The flags that give `cfg` again: parse_args(shlex.split(as_flags(cfg))) trains what cfg does. From the command
+    line, the flags it named (with their values in cfg); from code, every field off TrainConfig's defaults and the ones
+    whose default the tiny model or a CPU changes."""
+    default = TrainConfig()
+    named = set(cfg.flags_given) if cfg.flags_given is not None else \
+        {f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)} | set(TINY_DEFAULTS)
+    words = []
+    for action in build_parser()._actions:
+        value = getattr(cfg, action.dest, None)
+        if action.dest not in named or action.dest == "flags_given" or value is None or not action.option_strings:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true
+            words += [action.option_strings[0]] if value else []
+        else:
+            words += [action.option_strings[0], str(value)]
+    return shlex.join(words)
 
 
 def _given(argv) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
 from ..plan.sizing import GB, MATMUL_FLOPS_PER_S, attention_flops_per_s
 from ..levers.yarn import describe_rope_scaling
+from ..shape import text_config
 from ..parallel.distributed import ignore_unactionable_warnings
 
 
@@ -96,7 +97,7 @@ def layers_line(model_config, kernel: str, deltanet: str, on_gpu: bool = True) -
     `kernel`; sliding windows and sinks through window_attention's pick on a GPU (on_gpu) or on the CPU; gated
     DeltaNet layers through `deltanet`."""
     from ..mixers.window_attention import describe_how
-    from ..shape import ModelShape, text_config
+    from ..shape import ModelShape
 
     cfg = text_config(model_config)
     shape = ModelShape.from_config(cfg)
@@ -114,6 +115,17 @@ def layers_line(model_config, kernel: str, deltanet: str, on_gpu: bool = True) -
                 name += f" ({kernel})"
         kinds[name] = kinds.get(name, 0) + 1
     return ", ".join(f"{n} {name}" for name, n in kinds.items())
+
+
+def _trained_part(model, checked) -> str:
+    """What of the model trains, where not all of it: LoRA's adapters, or a multimodal model's language model."""
+    if checked.trainable_params is None:
+        return ""
+    trained = f"{checked.trainable_params / 1e6:,.2f} M trained"
+    if model.lora_r:
+        return f"; LoRA r {model.lora_r} on {model.lora_targets}: {trained}, the rest frozen (no optimizer state)"
+    return (f"; its language model trains ({trained}), the rest (vision tower, projector) frozen and exported as "
+            "loaded")
 
 
 def reference_line(run, estimate) -> str:
@@ -142,7 +154,7 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
     resolved kernel and why; None: the GPU run's rule, for the dry run); threads: the CPU threads each rank runs
     (distributed.share_cpu_threads); data: what the data holds and how it trains (data_line, pairs_line)."""
     yarn = checked.rope or describe_rope_scaling(checked.model_config)
-    layers = checked.model_config.num_hidden_layers
+    layers = text_config(checked.model_config).num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
     m, model = estimate.memory, run.model
     lines = [
@@ -150,8 +162,7 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
         f"layout    {layout_line}",
         *([f"threads   {threads}"] if threads else []),
         f"model     {model.name}: {type(checked.model_config).__name__}, {layers} layers, {num_params / 1e6:,.1f} M "
-        "params" + (f"; LoRA r {model.lora_r} on {model.lora_targets}: {checked.trainable_params / 1e6:,.2f} M trained, the rest "
-           "frozen (no optimizer state)" if checked.trainable_params is not None else ""),
+        "params" + _trained_part(model, checked),
         f"length    {run.stream.seq_len:,} tokens per step, {yarn}",
         *([f"data      {data}"] if data else []),
         *([reference_line(run, estimate)] if run.objective.dpo else []),

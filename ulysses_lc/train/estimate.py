@@ -57,12 +57,9 @@ class MemoryEstimate:
 
 def count_params(model_config) -> int:
     """Parameters of the model `model_config` builds, counted on the meta device (no memory, no weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from ..composite import meta_model
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in meta_model(model_config).parameters())
 
 
 def job_for(run, checked, num_params: int, ranks_per_node: int = 1) -> Job:

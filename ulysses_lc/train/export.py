@@ -1,6 +1,7 @@
 """The run's end product: a consolidated Hugging Face model folder (weights, config with YaRN, tokenizer); for a LoRA
 run the adapter folder peft loads (adapter_config.json, adapter_model.safetensors, the config with YaRN the base
-must be loaded with), and with --export-merged the adapters merged into the base weights in `merged/`."""
+must be loaded with), and with --export-merged the adapters merged into the base weights in `merged/`. A multimodal
+checkpoint comes back as its own class and files, its language model trained (composite.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 import torch
 
+from ..composite import save_model
 from ..parallel.layout import ParallelLayout
 from ..model import SequenceParallelCausalLM
-from ..peft_support import is_peft_model, merged_model
+from ..peft_support import base_model, is_peft_model, merged_model
 
 EXPORT_DIR = "hf_export"
 MERGED_DIR = "merged"
@@ -63,12 +65,13 @@ def export_hf_model(engine, model: SequenceParallelCausalLM, tokenizer, export_d
     if layout.rank == 0:
         state = model.plain_state_dict(state)
         model.undo()  # the plain attention implementation, LM head and MLP modules in the saved config
-        model.model.save_pretrained(export_dir, state_dict=state)
+        save_model(model.model, state, export_dir)
         tokenizer.save_pretrained(export_dir)
         if peft:
             # The base must be loaded with this config (YaRN): AutoConfig.from_pretrained(export_dir) reads it.
-            model.causal_lm.config.save_pretrained(export_dir)
+            base_model(model.model).config.save_pretrained(export_dir)
         if peft and merged:
-            merged_model(model.model, state).save_pretrained(export_dir / MERGED_DIR)
+            plain = merged_model(model.model, state)
+            save_model(plain, plain.state_dict(), export_dir / MERGED_DIR)
             tokenizer.save_pretrained(export_dir / MERGED_DIR)
     torch.distributed.barrier()

@@ -125,6 +125,8 @@ def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.d
     """
     from transformers import AutoModelForCausalLM
 
+    from ..composite import model_class
+
     def adapted(model):
         if peft_config is None:
             return model
@@ -136,6 +138,7 @@ def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.d
     if name in TINY_MODELS:
         torch.manual_seed(seed)
         return adapted(AutoModelForCausalLM.from_config(config, dtype=dtype).to(device))
+    auto = model_class(config)  # a multimodal checkpoint loads whole, with its own class (composite.py)
     if ds_config.get("zero_optimization", {}).get("stage") == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
@@ -143,10 +146,10 @@ def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.d
         # the world size, so the batch keys are left for it to derive.
         init_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
         zero3 = HfDeepSpeedConfig(init_config)  # must stay alive while from_pretrained and peft run
-        model = adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)))
+        model = adapted(auto.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)))
         del zero3
         return model
-    return adapted(AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)).to(device))
+    return adapted(auto.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)).to(device))
 
 
 def weights_digest(name: str, seed: int, memo_dir: Path | None = None) -> str:

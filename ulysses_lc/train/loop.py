@@ -14,7 +14,6 @@ the loop, job_watch.py ends every node's ranks when one fails.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import time
@@ -30,14 +29,16 @@ from ..parallel.distributed import init_distributed, seed_step, share_cpu_thread
 from ..parallel.layout import ParallelLayout
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
+from ..shape import text_config
 from ..parallel.sharding import shard_batch
 from ..parallel.zero_reshard import universal_config
 from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_checkpoint, new_run_dir, resume_line,
                         save_checkpoint, write_run_file)
 from .config import TrainConfig
-from .checkpoint_files import agree_on_write, finite_state, write_failure
+from .checkpoint_files import agree_on_write, write_failure
 from .console import (RunLogger, data_line, first_step_line, kernel_named, layout_line, pairs_line, progress_bars_off,
                       startup_block, summary, unmade_on_failure)
+from .divergence import StepGuard
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
 from .evaluation import RunEvaluation
@@ -56,10 +57,6 @@ from .schedule import Schedule
 from .settings import OptimSettings, RunSettings, WatchSettings
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm went inf/NaN: the run stops before saving it; the message names the last good checkpoint."""
 
 
 def train(cfg: TrainConfig, on_step=None) -> list[dict]:
@@ -148,7 +145,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             )
         data = data_line(stream_settings.source, stream, stream_settings.shape, steps, global_batch)
     evaluation = RunEvaluation.build(run.eval, stream, stream_settings, tokenizer, layout, cache_files.writes, rank0,
-                                     model_config.vocab_size, pad_token_id(tokenizer)) if run.eval else None
+                                     text_config(model_config).vocab_size, pad_token_id(tokenizer)) if run.eval else None
 
     _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
@@ -178,7 +175,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
     )
     engine.train()  # from_pretrained returns eval mode, where transformers skips checkpointing altogether
-    dpo_step = DPOStep(run.objective, seq_len, layout, model_config.vocab_size, pad_token_id(tokenizer),
+    dpo_step = DPOStep(run.objective, seq_len, layout, text_config(model_config).vocab_size, pad_token_id(tokenizer),
                        load_reference(run, checked, device, layout), adapters=bool(model_settings.lora_r)) \
         if dpo else None
     # After deepspeed.initialize: ZeRO-3's partitions exist; AdamW's moments, due at the first step, are reserved.
@@ -245,6 +242,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     peak = measure_peak_bf16_tflops(device) if device.type == "cuda" else None
     _stop_before_start(stop, layout, device, out, output.resume)  # while the weights loaded and the engine started
     stop.training = True
+    guard = StepGuard(engine, layout, out, run, run_files.writes)  # from the weights as loaded (divergence.py)
     records = []
     with RunLogger(
         out, steps, tokens_per_step=seq_len * global_batch, world_size=sp_size, flops=flops,
@@ -276,7 +274,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                     pair_metrics.append(metrics)
                 else:
                     batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
-                                        pad_token_id=pad_token_id(tokenizer), vocab_size=model_config.vocab_size,
+                                        pad_token_id=pad_token_id(tokenizer), vocab_size=text_config(model_config).vocab_size,
                                         document_lengths=sample.document_lengths,
                                         attention_mask=sample.attention_mask).to(device)
                     loss = engine(**batch.as_kwargs())
@@ -314,23 +312,13 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 records.append(record)
             done = step + 1
             stepped.append(done)
-            # The loss is the same on every rank (SP-reduced, then the DP mean) and the norm is global, so every
-            # rank stops here together.
-            if not math.isfinite(loss_value) or (grad_norm is not None and not math.isfinite(grad_norm)):
-                raise NonFiniteError(
-                    f"step {done}: loss {loss_value}, grad_norm {grad_norm}: not finite; the run stops without "
-                    f"saving this step. Last good checkpoint: {latest_checkpoint(out) or 'none'}. Lower --lr (now "
-                    f"{optim.lr:g}) and check the data; then continue from the checkpoint with --resume --output-dir {out} "
-                    "--lr <lower> (a new --lr applies on resume).")
+            # The loss is the same on every rank (SP-reduced, then the DP mean), the norms are global, so every
+            # rank stops here together: before this step's checkpoint.
+            guard.after_step(done, loss_value, grad_norm)
             # A SIGTERM, SIGINT or launcher's end on any rank (stop.py), or a write refused (SaveFailed on every rank).
             stopping = stop.agreed(layout, device, failed)
             if (output.save_every and done % output.save_every == 0) or done == steps or stopping:
-                if not finite_state(engine):
-                    raise NonFiniteError(
-                        f"step {done}: loss {loss_value}, grad_norm {grad_norm}, but the update left non-finite values "
-                        f"in the weights or optimizer state; the run stops without saving them. Last good checkpoint: "
-                        f"{latest_checkpoint(out) or 'none'}. Lower --lr (now {optim.lr:g}) and continue from it with "
-                        f"--resume --output-dir {out} --lr <lower>.")
+                guard.before_save(done, loss_value, grad_norm)
                 save_checkpoint(engine, out, done, stream, keep=output.keep_checkpoints, writes=run_files.writes,
                                 schedule=schedule, layout={"world_size": world, "sp_size": sp_size, "global_batch": global_batch})
             if evaluation is not None and not stopping and run.eval.due(done, steps):

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..composite import count_language_model_params, is_composite
 from ..mixers.attention import check_model_for_ulysses
 from ..data import parse_source
 from ..parallel.ds_config import check_deepspeed_config, check_optimizer_block, load_deepspeed_config, resolve_precision
@@ -50,7 +51,8 @@ class Checked:
     sp_size: int
     world_size: int
     peft_config: object = None  # --lora-r: the peft LoraConfig the model gets
-    trainable_params: int | None = None  # --lora-r: the adapters' parameters (None: every parameter trains)
+    # --lora-r: the adapters' parameters; a multimodal model's: its language model's (None: every parameter trains)
+    trainable_params: int | None = None
     global_batch: int = 1  # sequences per optimizer step: dp_size x gradient accumulation
     saved: dict | None = None  # --resume: the checkpoint's layout (run_state.saved_layout)
     rope: str = ""  # what yarn.plan_rope did, for the start-up block
@@ -137,6 +139,8 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
         peft_config = lora_config(model.lora_r, model.lora_alpha, model.lora_targets, model.lora_dropout)
         # On the meta device, in seconds: a target the model does not have fails here, before any weight loads.
         _, trainable = count_trainable_parameters(model_config, peft_config)
+    elif is_composite(model_config):  # the vision tower and projector stay frozen (composite.py)
+        trainable = count_language_model_params(model_config)
     return Checked(out, ds_config, model_config, sp_size, world_size, peft_config, trainable, global_batch, saved,
                    rope.summary)
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..parallel.ds_config import load_deepspeed_config
-from .config import TrainConfig
+from .config import TrainConfig, flag_of
 from .run_state import RUN_FILE, SETTINGS
 
 # What the checkpoint's state depends on: a change is refused, with why.
@@ -49,6 +49,7 @@ APPLIED = {
     "lr": "the schedule goes on at the new peak lr (the step's factor x the new --lr)",
     "steps": None,  # the schedule's extension says how (schedule.Schedule.extend)
     "weight_decay": "AdamW's weight decay from here",
+    "max_weight_growth": "the divergence guard's bound from here",
     "save_every": "checkpoints from here", "keep_checkpoints": "checkpoints kept from here",
     "cache_dir": "the token cache folder (the tokens are the same)",
     "tensorboard": "TensorBoard logging from here", "wandb_project": "W&B reporting from here",
@@ -81,10 +82,6 @@ LAYOUT = ("sp_size", "sp_placement", "global_batch")
 # How this launch runs, not what the run is: never taken from the saved run.
 INVOCATION = ("output_dir", "resume", "dry_run", "world_size", "gpus_per_node", "gpu_memory_gb", "host_memory_gb",
               "max_seq_len", "flags_given")
-
-
-def _flag(field: str) -> str:
-    return "--" + {"wandb_project": "wandb"}.get(field, field.replace("_", "-"))
 
 
 def resolve(cfg: TrainConfig, out: Path | None) -> tuple[TrainConfig, dict]:
@@ -128,7 +125,7 @@ def check_kept(cfg: TrainConfig, saved: dict, out: Path) -> tuple[dict, dict] | 
         if was != getattr(cfg, field):
             raise ValueError(
                 f"--resume: the checkpoint in {out} was trained with {field}={was!r}, not {getattr(cfg, field)!r}; "
-                f"resume with the same settings or use another --output-dir ({_flag(field)} cannot change on a "
+                f"resume with the same settings or use another --output-dir ({flag_of(field)} cannot change on a "
                 f"resume: {why}).")
     return ds_changed
 
@@ -164,7 +161,7 @@ def change_lines(changed: dict) -> list[str]:
             lines.append(f"--ds-config on resume: {shown}: logging, or how ZeRO schedules the same gathers and "
                          "reductions (the trained values do not change)")
         elif APPLIED[field] is not None:
-            lines.append(f"{_flag(field)} {was!r} -> {now!r} on resume: {APPLIED[field]}")
+            lines.append(f"{flag_of(field)} {was!r} -> {now!r} on resume: {APPLIED[field]}")
     return lines
 
 

@@ -145,9 +145,7 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
     if owner:
         try:
             write_manifest(ckpt_dir / f"step{step}", [w for w, _ in every])  # last in the tag, before `latest` names it
-            tmp = ckpt_dir / f".{LATEST}.tmp"
-            tmp.write_text(f"step{step}")
-            os.replace(tmp, ckpt_dir / LATEST)  # atomic: `latest` names the old tag or the new one, never half
+            point_latest(ckpt_dir, f"step{step}")
         except OSError as e:  # the disk filled up at the last small writes: every rank hears it, not only this one
             failure = failure_of(Path(e.filename or ckpt_dir / f"step{step}" / MANIFEST), e)
         else:
@@ -156,6 +154,13 @@ def save_checkpoint(engine, out: Path, step: int, stream, keep: int = 0, writes:
     every = [None] * world
     torch.distributed.all_gather_object(every, failure)  # also the barrier: `latest` names the new tag
     raise_first_failure(every)
+
+
+def point_latest(ckpt_dir: Path, tag: str) -> None:
+    """`latest` names `tag`, by rename: atomic, it names the old tag or the new one, never half."""
+    tmp = ckpt_dir / f".{LATEST}.tmp"
+    tmp.write_text(tag)
+    os.replace(tmp, ckpt_dir / LATEST)
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:

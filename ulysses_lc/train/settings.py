@@ -10,7 +10,7 @@ model config with its RoPE) is resolved next, by preflight.py, into `Checked`.
   model     ModelSettings   what loads and how it runs: name, dtype, RoPE, LoRA, attention kernel
   stream    StreamSettings  the training sequences: source, length, what shapes them (DataSettings), token cache
   parallel  ParallelSettings  sp size, placement, global batch (None: resolved from the launch)
-  optim     OptimSettings   the DeepSpeed config, lr and its schedule, weight decay, steps
+  optim     OptimSettings   the DeepSpeed config, lr and its schedule, weight decay, steps, the divergence guard
   objective ObjectiveSettings  sft, or dpo with its loss and reference
   plan      PlanSettings    the memory plan's overrides and limits; the dry run's world
   output    OutputSettings  run folder, resume, checkpoints, export, logging
@@ -81,6 +81,7 @@ class OptimSettings:
     warmup_steps: int
     min_lr_ratio: float
     steps: int
+    max_weight_growth: float = 1.0  # the divergence guard's bound (divergence.py); 0: off
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class RunSettings:
             long_documents=dpo and not flags.packing and flags.seq_len >= 2 * DOCUMENT_VARLEN_TOKENS)
         self.parallel = ParallelSettings(flags.sp_size, flags.sp_placement, flags.global_batch)
         self.optim = OptimSettings(flags.ds_config, flags.lr, flags.weight_decay, flags.lr_schedule, flags.warmup_steps,
-                                   flags.min_lr_ratio, flags.steps)
+                                   flags.min_lr_ratio, flags.steps, flags.max_weight_growth)
         reference = None
         if dpo:
             reference = flags.dpo_reference if flags.dpo_reference != "auto" else "adapters" if flags.lora_r else "copy"
