@@ -365,7 +365,42 @@ def test_the_launcher_ends_with_the_jobs_last_word_and_waits_for_its_ranks_on_ct
     failed = subprocess.run([*main, *args, "--resume", "--steps", str(step + 2), "--lr", "1e30"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     lines = [line for line in (failed.stdout + failed.stderr).splitlines() if line.strip()]
-    # Every rank finds it: the job's first report names its rank where that is not rank 0 (cli.py).
-    assert failed.returncode == 1 and re.match(rf"error( \(rank 1\))?: step {step + 2}: loss ", lines[-1]) and \
-        "not finite; the run stops without saving this step" in lines[-1], lines[-6:]
+    # The divergence guard's refusal, which every rank finds: the job's first report names its rank where that is not
+    # rank 0 (cli.py).
+    assert failed.returncode == 1 and re.match(r"error( \(rank 1\))?: step \d+: loss ", lines[-1]) and \
+        "--resume --output-dir run" in lines[-1], lines[-6:]
     assert "ChildFailedError" not in failed.stderr and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+
+
+def test_the_launchers_flags_reach_torchs_agent_and_a_job_of_many_nodes_needs_its_address(monkeypatch):
+    """--nnodes/--node-rank/--master-addr/--master-port are torchrun's, passed to its agent's static rendezvous."""
+    import torch.distributed.launcher.api as api
+
+    from ulysses_lc.train.launcher import launch, split
+
+    seen = {}
+
+    def elastic_launch(config, entrypoint):
+        seen.update(config=config, entrypoint=entrypoint)
+        return lambda *args: seen.update(args=args)
+
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # what the launcher sets without a GPU, undone after the test
+    flags, job = split(["--nproc-per-node", "8", "--steps", "3", "--nnodes", "2", "--node_rank", "1", "--master-addr",
+                        "gpu-a", "--master-port", "29555"])
+    assert job == ["--steps", "3"]
+    assert launch(flags, job, stop_grace_s=25) == 0
+    config = seen["config"]
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.rdzv_backend, config.rdzv_endpoint,
+            config.rdzv_configs["rank"], config.max_restarts) == (2, 2, 8, "static", "gpu-a:29555", 1, 0)
+    assert seen["args"] == ("-u", "-m", "ulysses_lc.train", "--steps", "3")
+    assert split(["--steps", "3"]) == (None, ["--steps", "3"])
+    for argv, words in [(["--nproc-per-node", "2", "--nnodes", "2"], "pass --master-addr"),
+                        (["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "a"],
+                         "--node-rank 2 of --nnodes 2"),
+                        (["--nnodes", "2"], "go with --nproc-per-node")]:
+        with pytest.raises(ValueError, match=words):
+            launch(split(argv)[0], [], stop_grace_s=25)
+    monkeypatch.setenv("RANK", "0")  # under torchrun or deepspeed already
+    with pytest.raises(ValueError, match="already a rank"):
+        launch(split(["--nproc-per-node", "2"])[0], [], stop_grace_s=25)
