@@ -193,6 +193,12 @@ def _pool_worker(rank, world_size, port, kind, tasks, results):
             dist.destroy_process_group
         for group in created:
             destroy(group)
+        ds_groups = sys.modules.get("deepspeed.utils.groups")
+        if ds_groups is not None:  # an engine's mpu and groups, now destroyed, would be the next body's (TRL's
+            # reference engine in a DPO test after a Trainer one: 'Group ... is not registered')
+            ds_groups.mpu = None
+            for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+                setattr(ds_groups, name, None)
         if kind == "trainer":
             from accelerate.state import AcceleratorState
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config

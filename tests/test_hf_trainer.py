@@ -1,8 +1,9 @@
 """The Hugging Face Trainer and TRL's SFTTrainer through ulysses_lc.integrations.hf_trainer, on 2 gloo ranks.
 
-SP=2 against SP=1 through the same Trainer (and through SFTTrainer on prompt/completion rows, with TRL's own
-tokenization and completion-only labels): the first step's loss (1e-5 relative) and every gradient as ZeRO-3
-reduced it (1e-4 relative norm), the logged losses; `evaluate()` against the plain model's loss; a Trainer
+The plain Trainer's token weighting (num_items_in_batch) over gradient accumulation and DP ranks, on completion-only
+rows of 8 and 63 labels. SP=2 against SP=1 through the same Trainer (and through SFTTrainer on prompt/completion rows,
+with TRL's own tokenization and completion-only labels): the first step's loss (1e-5 relative) and every gradient as
+ZeRO-3 reduced it (1e-4 relative norm), the logged losses; `evaluate()` against the plain model's loss; a Trainer
 checkpoint resumed to the same trajectory, and its folder loaded by from_pretrained giving the trained model's
 logits exactly (with a plain attention implementation); and each refusal at construction.
 """
@@ -12,12 +13,12 @@ import contextlib
 import pytest
 import torch
 
-from tests._dist import run_shared
+from tests._dist import run_distributed, run_shared
+from tests._grads import assert_grads_close, first_step_grads
 from tests.models import VOCAB, build
 from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 LOSS_RTOL = 1e-5
-GRAD_RTOL = 1e-4
 DS = {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
       "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
       "steps_per_print": 1000}
@@ -35,28 +36,6 @@ def training_args(out, steps, **overrides):
                   lr_scheduler_type="constant", disable_tqdm=True, use_cpu=True)
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
-
-
-@contextlib.contextmanager
-def first_step_grads(record):
-    """Patch the engine's step (test only, undone on exit) to keep the first step's full gradients, as ZeRO-3
-    reduced them."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.utils import safe_get_full_grad
-
-    original = DeepSpeedEngine.step
-
-    def step(engine, *args, **kwargs):
-        if "grads" not in record:  # collective: every rank gathers every gradient
-            record["grads"] = {plain_parameter_name(n): safe_get_full_grad(p).clone()
-                               for n, p in engine.module.named_parameters()}
-        return original(engine, *args, **kwargs)
-
-    DeepSpeedEngine.step = step
-    try:
-        yield
-    finally:
-        DeepSpeedEngine.step = original
 
 
 def trainer_worker(rank, world, sp_size, out, steps, mode):
@@ -83,13 +62,6 @@ def plain_losses():
         return [model(input_ids=torch.tensor([s]), labels=torch.tensor([s])).loss.item() for s in sequences()]
 
 
-def assert_grads_close(grads, ref):
-    assert grads.keys() == ref.keys()
-    for name, g in ref.items():
-        err = (grads[name] - g).norm() / g.norm().clamp(min=1e-12)
-        assert err <= GRAD_RTOL, f"{name}: relative gradient error {err:.2e}"
-
-
 def test_trainer_sp2_equals_sp1(tmp_path):
     (single,) = run_shared(trainer_worker, 1, 1, str(tmp_path / "sp1"), 3, "grads", kind="trainer")
     parallel = run_shared(trainer_worker, 2, 2, str(tmp_path / "sp2"), 3, "grads", kind="trainer")
@@ -109,6 +81,57 @@ def test_trainer_evaluate_is_the_plain_loss(tmp_path):
     ref = sum(plain_losses()[:2]) / 2
     for loss in run_shared(trainer_worker, 2, 2, str(tmp_path), 1, "eval", kind="trainer"):
         assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
+
+
+def weighted_rows():
+    """Two sequences of 64 tokens with 8 and 63 labels trained (the Trainer counts labels[..., 1:]): completion-only
+    data, whose short completion a per-sequence mean would weigh as much as the long one."""
+    ids = sequences(2)
+    return {"input_ids": ids, "labels": [[-100] * 56 + ids[0][56:], ids[1]]}
+
+
+def weighting_worker(rank, world, sp_size, out, ulysses):
+    """The first optimizer step over weighted_rows(), 2 sequences a step (gradient accumulation 2 on one DP rank, 1
+    on two): its logged loss and gradients (plain names). ulysses=False: the plain Trainer on the plain model."""
+    import datasets
+    from transformers import Trainer, TrainerCallback
+
+    from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
+    from ulysses_lc.model import SequenceParallelCausalLM
+
+    ds = datasets.Dataset.from_dict(weighted_rows())
+    ga = 2 * sp_size // world
+    record = {}
+    if ulysses:
+        trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(out, 1, gradient_accumulation_steps=ga),
+                                 train_dataset=ds, sp_size=sp_size)
+        with first_step_grads(record):
+            trainer.train()
+        grads = {SequenceParallelCausalLM.plain_name(n): g for n, g in record["grads"].items()}
+    else:
+        class Grads(TrainerCallback):  # unclipped (max_grad_norm 0), as first_step_grads takes DeepSpeed's
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                record.setdefault("grads", {n: p.grad.clone() for n, p in model.named_parameters()})
+
+        args = training_args(out, 1, gradient_accumulation_steps=ga, deepspeed=None, max_grad_norm=0.0)
+        trainer = Trainer(model=build("qwen3"), args=args, train_dataset=ds, callbacks=[Grads()])
+        trainer.train()
+        grads = record["grads"]
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], grads
+
+
+def test_trainer_weighs_tokens_as_the_plain_trainer(tmp_path):
+    # The swap changes nothing but memory and speed: the plain Trainer's token weighting (num_items_in_batch) over
+    # gradient accumulation (sp 1 and sp 2, one DP rank) and over DP ranks (sp 1 on two ranks): the first step's
+    # loss 1e-5 relative and every gradient 1e-4 (relative norm).
+    # The plain Trainer in a process of its own: accelerate's state left by a DeepSpeed body fails its prepare().
+    (plain,) = run_distributed(weighting_worker, 1, 1, str(tmp_path / "plain"), False)
+    runs = run_shared(weighting_worker, 1, 1, str(tmp_path / "sp1"), True, kind="trainer")
+    runs += run_shared(weighting_worker, 2, 2, str(tmp_path / "sp2"), True, kind="trainer")
+    runs += run_shared(weighting_worker, 2, 1, str(tmp_path / "dp2"), True, kind="trainer")
+    for losses, grads in runs:
+        assert len(losses) == 1 and abs(losses[0] - plain[0][0]) <= LOSS_RTOL * plain[0][0], (losses, plain[0])
+        assert_grads_close(grads, plain[1])
 
 
 def planning_worker(rank, world, out, levers_list):

@@ -56,17 +56,22 @@ def test_wheel_ships_configs_and_finds_them_from_another_folder(tmp_path):
     # The top-level ds_configs/ ships inside the package; pyproject lists the packages by hand, so every module
     # of the checkout must be in the wheel (a new subpackage left off the list fails here).
     assert {f"ulysses_lc/ds_configs/{n}.json" for n in CONFIG_NAMES} <= names
+    shipped = {p.relative_to(REPO).as_posix() for p in (REPO / "ulysses_lc" / "model_configs").rglob("*")
+               if p.is_file()}
+    assert shipped and shipped <= names, sorted(shipped - names)  # a dry run of a hub name needs no network
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "ulysses_lc").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
     probe = ("import ulysses_lc, ulysses_lc.parallel.ds_config as d; print(ulysses_lc.__file__); "
-             "print(d.load_deepspeed_config('zero3_offload_all')['zero_optimization']['offload_param'])")
+             "print(d.load_deepspeed_config('zero3_offload_all')['zero_optimization']['offload_param']); "
+             "from ulysses_lc.train.loading import shipped_config; print(shipped_config('Qwen/Qwen3-8B'))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
                          check=True, capture_output=True, text=True).stdout
     assert out.startswith(str(site)), out
     assert "'device': 'cpu'" in out
+    assert f"{site}/ulysses_lc/model_configs/Qwen__Qwen3-8B" in out, out
 
 
 # -- b. cheap checks before heavy work ----------------------------------------------------------------------

@@ -20,7 +20,8 @@ TRAIN = Path(__file__).resolve().parent.parent / "ulysses_lc" / "train"
 
 # Where the whole TrainConfig may go: (module, function) or (module, "*") for a module that is about the flags.
 WHOLE_CONFIG = {
-    ("config.py", "*"),  # TrainConfig itself, its checks, the command line
+    ("config.py", "*"),  # TrainConfig itself, the command line
+    ("config_checks.py", "*"),  # TrainConfig's checks (TrainConfig.check), split out of config.py for length
     ("resume.py", "*"),  # a resume's merge of the flags with the saved run's, and its record
     ("settings.py", "RunSettings.__init__"),  # the one place the flags are split into settings
     ("loop.py", "train"), ("dry_run.py", "dry_run"),  # the entry points: each builds RunSettings first

@@ -10,6 +10,7 @@ import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tests._dist import run_shared
 from ulysses_lc.train import TrainConfig, train
@@ -96,3 +97,48 @@ def test_bad_datasets_refused_before_weights(tmp_path, datasets_dir):
     assert "body" in messages["named_column_missing"]
     assert "completion" in messages["no_completion"]
     assert not (tmp_path / "run").exists()  # nothing written by a refused run
+
+
+def token_weighted_step(cfg, sequences):
+    """The plain model's loss and gradients over the main job's first `sequences` windows of `cfg`'s data: the summed
+    token losses over the summed labels (transformers' Trainer's weighting), one process, no levers."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_lc.data import build_token_stream
+    from ulysses_lc.tiny import tiny_model_config, tiny_tokenizer
+    from ulysses_lc.train import RunSettings
+
+    settings = RunSettings(cfg).stream
+    stream = build_token_stream(settings.source, tiny_tokenizer(), cfg.seq_len, num_steps=cfg.steps * sequences,
+                                cache_dir=cfg.cache_dir, progress=False, **settings.shape.kwargs())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config())  # the main job's weights for seed 0
+    loss_sum, counts = 0.0, []
+    for i in range(sequences):
+        sample = stream.sample(i)
+        logits = model(input_ids=sample.input_ids[None]).logits[0, :-1]
+        loss_sum = loss_sum + F.cross_entropy(logits.float(), sample.labels[1:], reduction="sum")
+        counts.append(sample.num_trained_tokens)
+    loss = loss_sum / sum(counts)
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}, counts
+
+
+def test_main_job_weighs_tokens_across_accumulation_and_dp(tmp_path, datasets_dir):
+    # Completion-only windows with different label counts: every label weighs the same across micro steps and DP
+    # groups, as in transformers' Trainer (docs/weighting.md). sp 2 with 2 micro steps, and sp 1 with 2 DP
+    # groups of 2 micro steps, against the plain model: the first step's loss 1e-5 relative, every gradient 1e-4.
+    from tests._grads import assert_grads_close, train_first_step
+    from ulysses_lc.model import SequenceParallelCausalLM
+
+    base = _cfg(tmp_path, datasets_dir / "pc.jsonl", seq_len=512, steps=1)
+    cfgs = [replace(base, output_dir=str(tmp_path / "sp2"), sp_size=2, global_batch=2),
+            replace(base, output_dir=str(tmp_path / "dp2"), sp_size=1, global_batch=4)]
+    results = run_shared(train_first_step, 2, cfgs, kind="deepspeed")[0]
+    for cfg, (records, grads) in zip(cfgs, results):
+        loss, ref, counts = token_weighted_step(cfg, cfg.global_batch)
+        assert min(counts) < 0.9 * max(counts), counts  # a per-sequence mean would weigh them otherwise
+        assert records[0]["trained_tokens"] == sum(counts)
+        assert abs(records[0]["loss"] - loss) <= 1e-5 * loss, (records[0]["loss"], loss)
+        assert_grads_close({SequenceParallelCausalLM.plain_name(n): g for n, g in grads.items()}, ref)

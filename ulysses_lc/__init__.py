@@ -40,7 +40,7 @@ from .mixers.attention import UlyssesAttention, check_model_for_ulysses, install
 from .mixers.explicit_attention import attention_head_groups  # noqa: E402
 from .mixers.linear_attention import install_linear_attention  # noqa: E402
 from .model import SequenceParallelCausalLM  # noqa: E402
-from .objectives.loss import sp_mean_loss  # noqa: E402
+from .objectives.loss import sp_mean_loss, step_num_items  # noqa: E402
 from .objectives.preference import PreferenceBatch, PreferenceLoss, reference_log_probs, shard_pairs  # noqa: E402
 from .parallel.distributed import destroy_distributed, init_distributed  # noqa: E402
 from .parallel.ds_config import check_deepspeed_config, load_deepspeed_config  # noqa: E402
@@ -114,6 +114,7 @@ __all__ = [
     "shard_batch",
     "shard_pairs",
     "sp_mean_loss",
+    "step_num_items",
     "valid_sp_sizes",
     "yarn_rope_parameters",
 ]

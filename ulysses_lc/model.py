@@ -269,7 +269,7 @@ class SequenceParallelCausalLM(nn.Module):
             self.attention.expected_bounds = None
 
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, documents=None, per_token=False,
-                token_mask=None):
+                token_mask=None, num_items_in_batch=None):
         """The sequence's loss, the same on every SP rank: the mean token cross-entropy over the valid labels of
         the whole sequence, plus, where config.output_router_logits is on (MoE), router_aux_loss_coef x the
         routers' load-balancing loss of the whole sequence, as transformers' `outputs.loss` (objectives/
@@ -279,6 +279,9 @@ class SequenceParallelCausalLM(nn.Module):
 
         token_mask: [b, s_local] bool, False on padding (ShardedBatch.token_mask), which the router loss does not
             count; None: every token counts.
+        num_items_in_batch: the token cross-entropy is the sequence's summed token losses over this count instead of
+            its own (the valid labels of the optimizer step, as transformers' Trainer passes it to a model: token
+            weighting across gradient accumulation and DP, docs/weighting.md); the router term is unchanged by it.
         documents: an int (preference training): the [documents] summed log-probabilities of the first packed
             documents' labels instead, the same on every SP rank (preference.py).
         per_token: (evaluation, under no_grad) this rank's slice scored row by row (`token_scores`), no router loss.
@@ -304,7 +307,7 @@ class SequenceParallelCausalLM(nn.Module):
             if cap:  # Gemma's final soft-capping, which the model's own forward applies after its head
                 logits_bsv = torch.tanh(logits_bsv / cap) * cap
             loss_sum, n_valid = plain_loss_sum(logits_bsv, labels)
-        loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout)
+        loss, self.last_num_tokens = sp_mean_loss(loss_sum, n_valid, self.layout, num_items_in_batch)
         if router_sums is not None:
             aux_loss = router_sums.aux_loss(self.layout, loss.device)
             self.last_aux_loss = aux_loss.detach()

@@ -18,13 +18,16 @@ What the subclass changes, each through the Trainer's own overridable methods:
     wrapped to add ours, and `train_batch_size` is counted over the DP axis as DeepSpeed then expects);
   - the memory plan: `SequenceParallelCausalLM.plan_step` at the first training step, once ZeRO-3 has allocated its
     partitions;
-  - the loss: the wrapper's loss, already the mean over the sequence's valid tokens on every SP rank; logs and
-    `evaluate()` average it over ranks, so they report the sequence loss, not sp_size times it.
+  - the loss: the wrapper's loss, the same on every SP rank; logs and `evaluate()` average it over ranks, so they
+    report the loss, not sp_size times it.
 
-Loss normalisation: `model_accepts_loss_kwargs` is False, so the Trainer neither computes `num_items_in_batch` nor
-rescales by it (`average_tokens_across_devices` then has nothing to act on); it divides each micro step's loss by
-`gradient_accumulation_steps`. Every sequence therefore weighs the same in an optimizer step, under gradient
-accumulation exactly as across DP ranks (layout.py's gradient contract).
+Loss normalisation, the Trainer's own (docs/weighting.md): tokens weigh the same, not sequences. As for a
+transformers model that takes `num_items_in_batch`, the Trainer counts the valid labels of the optimizer step's
+micro batches (`_get_num_items_in_batch`, here over the SP slices' shifted labels, so the SP group's sum is a
+sequence's count), summed over DP ranks under `average_tokens_across_devices` (the default); the wrapper divides each
+sequence's summed token losses by that count, and `compute_loss` multiplies by the DP size where the Trainer multiplies
+by its world size (ZeRO-3 averages over every rank, but an SP group's ranks already hold the sequence's sum, layout.py),
+with no division by the accumulation steps. TRL's DPO keeps its per-pair mean (hf_dpo.py).
 
 Refused at construction, with the fix (`check_trainer_setup`): no DeepSpeed ZeRO-3 config, accelerate's own
 sequence parallelism, Liger or hub kernels, a loss from logits (compute_loss_func, label smoothing, TRL's dft
@@ -50,6 +53,7 @@ from ..parallel.distributed import init_distributed, seed_step
 from ..parallel.layout import ParallelLayout
 from .trainer_engine import check_engine_mpu, deepspeed_initialize_with_mpu
 from ..model import SequenceParallelCausalLM
+from ..objectives.loss import step_num_items
 from ..shape import text_config
 from ..parallel.sharding import document_lengths_from_positions, shard_batch
 
@@ -221,8 +225,9 @@ class UlyssesTrainerMixin:
         self.layout = layout
         self.seq_len = seq_len
         self.model = self.model_wrapped = SequenceParallelCausalLM(self.model, layout, **(levers or {}))
-        # Our loss is already each sequence's mean: the Trainer must not count or rescale tokens (module docstring).
-        self.model_accepts_loss_kwargs = False
+        # The wrapper's forward takes num_items_in_batch, as a transformers model does (module docstring); DPO's loss
+        # is TRL's per-pair mean.
+        self.model_accepts_loss_kwargs = self._sft_loss
         self._planned = False
         self._micro_steps = 0  # training_step calls, for the per-rank seed (distributed.seed_step)
         self._after_parent_init()
@@ -304,11 +309,28 @@ class UlyssesTrainerMixin:
         return self._sequence_dataloader(test_dataset, "test", train=False)
 
     # -- the step --
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The valid labels of `batch_samples` (an optimizer step's micro batches, or one eval batch), summed over the
+        SP group (its ranks hold slices of the same sequences) and, under average_tokens_across_devices, over the DP
+        ranks: what the Trainer counts for a model that takes num_items_in_batch. Collective over those ranks."""
+        if not self._sft_loss or not batch_samples:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        # Our labels are shifted already (ShardingCollator): every one != IGNORE_INDEX is a prediction target, which
+        # the Trainer's own count (labels[..., 1:] of unshifted labels) would miss on every SP rank but the first.
+        return step_num_items([batch["labels"] for batch in batch_samples], self.layout, device=device,
+                              across_dp=self.args.average_tokens_across_devices)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         if "cu_seqlens" in inputs:
             inputs["cu_seqlens"] = torch.tensor(inputs["cu_seqlens"], dtype=torch.int32)
+        if num_items_in_batch is not None:
+            inputs["num_items_in_batch"] = num_items_in_batch
         loss = model(**inputs)
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            # The Trainer multiplies by its world size, undoing DDP's mean over ranks; ZeRO-3 here averages over all
+            # sp_size x dp_size ranks, of which each SP group's already sum to the sequence's share: dp_size undoes it.
+            loss = loss * self.layout.dp_size
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def training_step(self, model, inputs, *args, **kwargs):

@@ -179,4 +179,18 @@ def load_resharded(engine, tag_dir: Path, load_module_strict: bool = True, poll_
     if client is None:
         raise ValueError(f"DeepSpeed read no checkpoint from {final}; delete that folder (a conversion is "
                          "redone from the tag's files) and resume again.")
+    _untie_steps(engine.optimizer)
     return client
+
+
+def _untie_steps(optimizer) -> None:
+    """Give each ZeRO-3 sub-group's optimizer state its own `step` tensor. DeepSpeed 0.19.8's universal load hands
+    every sub-group one and the same tensor (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3), which
+    torch's Adam increments in place once per sub-group and step: with two sub-groups (the weight-decay and exempt
+    groups, train/optimizer.py, or a model past sub_group_size) the later one's bias correction ran a step ahead
+    (the resharded resume's second loss 2.2e-5 off the uninterrupted run's, tests/test_reshard.py). It also gives
+    every group group 0's hyperparameters; the training loop sets lr and weight decay again after the load."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()

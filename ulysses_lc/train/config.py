@@ -12,25 +12,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import math
 import os
 import shlex
 from dataclasses import dataclass, fields
 
-from ..mixers.explicit_attention import valid_head_groups
 from ..mixers.kernels import KERNELS
 from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
-from .evaluation import EVAL_PASSKEY_DEPTHS, check_eval_flags
+from .config_checks import TINY_LR, check_config, flag_of  # noqa: F401  (flag_of: resume.py reads it here)
+from .evaluation import EVAL_PASSKEY_DEPTHS
 from .launcher import LAUNCH_FIELDS, add_launch_flags
 from .schedule import SCHEDULES
 
 TINY = "tiny"
-
-
-def flag_of(field: str) -> str:
-    """The command-line flag of a TrainConfig field."""
-    return "--" + {"wandb_project": "wandb"}.get(field, field.replace("_", "-"))
 
 
 class CheckFailed(ValueError):
@@ -130,104 +124,11 @@ class TrainConfig:
         return self.eval_data is not None or self.eval_every > 0 or self.eval_at_start
 
     def check(self) -> None:
-        """ValueError naming the flag and the fix for a setting no run can use."""
-        if self.seq_len < 2:
-            raise ValueError(f"--seq-len {self.seq_len} is too short: a step needs at least 2 tokens.")
-        if self.steps < 1:
-            raise ValueError(f"--steps {self.steps}: train at least one step.")
-        if self.global_batch is not None and self.global_batch < 1:
-            raise ValueError(f"--global-batch {self.global_batch}: an optimizer step takes at least one sequence.")
-        self._check_numbers()
-        if self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"--lr-schedule {self.lr_schedule!r}: pick constant, linear or cosine.")
-        if self.keep_checkpoints < 0:
-            raise ValueError(f"--keep-checkpoints {self.keep_checkpoints} must be >= 0 (0 keeps every checkpoint).")
-        if self.save_every < 0:
-            raise ValueError(f"--save-every {self.save_every} must be >= 0 (0 saves only at the end).")
-        if not valid_head_groups(self.attention_head_groups):
-            raise ValueError(f"--attention-head-groups {self.attention_head_groups!r}: give 'auto' or a whole "
-                             "number >= 1.")
-        for flag in ("gpu_memory_gb", "host_memory_gb"):
-            value = getattr(self, flag)
-            if value is not None and value <= 0:
-                raise ValueError(f"--{flag.replace('_', '-')} {value} must be positive (GB per GPU / per rank).")
-        if self.sp_placement not in PLACEMENTS:
-            raise ValueError(f"--sp-placement {self.sp_placement!r}: pick node (SP groups inside a node, DP across "
-                             "nodes) or across (SP over nodes, DP inside each).")
-        if self.gpus_per_node is not None and self.gpus_per_node < 1:
-            raise ValueError(f"--gpus-per-node {self.gpus_per_node} must be >= 1.")
-        if self.node_timeout_s < 5:
-            raise ValueError(f"--node-timeout-s {self.node_timeout_s:g} is too short: heartbeats come once a second, "
-                             "and a loaded node may miss a few; give 5 or more (default 60).")
-        if self.stop_grace_s <= 0:
-            raise ValueError(f"--stop-grace-s {self.stop_grace_s:g} must be positive: the seconds a stop may take to "
-                             "reach a step boundary and write its checkpoint (default 25, under launchers' 30).")
-        if self.max_seq_len and not self.dry_run:
-            raise ValueError("--max-seq-len sizes a run without loading it; add --dry-run.")
-        if self.lora_r < 0 or (self.lora_r == 0 and "lora_r" in (self.flags_given or ())):
-            raise ValueError(f"--lora-r {self.lora_r}: give the adapters' rank, >= 1 (e.g. 16); leave --lora-r out for "
-                             "a full fine-tune of every weight.")
-        lora_only = [f"--{f.replace('_', '-')}" for f in ("lora_alpha", "lora_dropout", "export_merged")
-                     if getattr(self, f) not in (None, 0.0, False)]
-        if not self.lora_r and lora_only:
-            raise ValueError(f"{' and '.join(lora_only)} only {'apply' if len(lora_only) > 1 else 'applies'} to LoRA "
-                             "adapters; add --lora-r (e.g. 16) to train them, or drop "
-                             f"{'it' if len(lora_only) == 1 else 'them'} for a full fine-tune.")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"--lora-dropout {self.lora_dropout} must be in [0, 1).")
-        self._check_method()
-        check_eval_flags(self.eval_every, self.eval_sequences, self.eval_passkey_depths, self.evaluates, self.method)
-        for flag in ("keep_on_gpu", "recompute_layers", "cache_attention_layers"):
-            value = getattr(self, flag)
-            if value is not None and value < 0:
-                raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 0 (leave it out to plan from memory).")
-
-    def _check_numbers(self) -> None:
-        """The float flags: finite (argparse takes inf and nan), and each in its range."""
-        if not (math.isfinite(self.lr) and self.lr > 0):  # inf trains one step, then stops with nothing to resume
-            raise ValueError(f"--lr {self.lr:g} must be a positive finite number: the peak learning rate (default "
-                             f"{TrainConfig.lr:g}; the tiny models' {TINY_DEFAULTS['lr']:g}).")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                default = getattr(TrainConfig, f.name, None)
-                hint = f" (default {default:g})" if isinstance(default, (int, float)) else ""
-                raise ValueError(f"{flag_of(f.name)} {value} is not a finite number: give a finite value{hint}.")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps {self.warmup_steps} must be >= 0 (0: no warmup).")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio:g}: the final lr as a fraction of --lr, in [0, 1].")
-        if self.weight_decay < 0:
-            raise ValueError(f"--weight-decay {self.weight_decay:g} must be >= 0 (0: none).")
-        if self.max_weight_growth < 0:
-            raise ValueError(f"--max-weight-growth {self.max_weight_growth:g} must be >= 0 (0 turns the divergence "
-                             f"guard off; default {TrainConfig.max_weight_growth:g}).")
-        if self.lora_alpha is not None and self.lora_alpha <= 0:
-            raise ValueError(f"--lora-alpha {self.lora_alpha:g} must be positive (default 2 x --lora-r).")
-
-    def _check_method(self) -> None:
-        if self.method not in ("sft", "dpo"):
-            raise ValueError(f"--method {self.method!r}: pick sft or dpo.")
-        dpo_flags = {"dpo_beta": 0.1, "dpo_loss": "sigmoid", "dpo_label_smoothing": 0.0, "dpo_reference": "auto"}
-        if self.method != "dpo":
-            changed = [f"--{k.replace('_', '-')}" for k, v in dpo_flags.items() if getattr(self, k) != v]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} set up preference training; add --method dpo or drop them.")
-            return
-        from ..objectives.preference import PreferenceLoss
-
-        PreferenceLoss(self.dpo_beta, self.dpo_loss, self.dpo_label_smoothing)  # its ValueError names the setting
-        if self.dpo_reference not in ("auto", "copy", "adapters", "precomputed"):
-            raise ValueError(f"--dpo-reference {self.dpo_reference!r}: pick auto, copy, adapters or precomputed.")
-        if self.dpo_reference == "adapters" and not self.lora_r:
-            raise ValueError("--dpo-reference adapters is the model with its LoRA adapters off: add --lora-r (e.g. "
-                             "16), or use --dpo-reference copy for a full fine-tune.")
-        if self.loss_on is not None or self.text_column is not None:
-            raise ValueError("--method dpo trains the chosen and rejected completions of prompt / chosen / rejected "
-                             "rows; drop --loss-on and --text-column.")
+        """ValueError naming the flag and the fix for a setting no run can use (config_checks.py)."""
+        check_config(self)
 
 
-TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=3e-3)
+TINY_DEFAULTS = dict(model=TINY, data=TINY, seq_len=4096, steps=8, lr=TINY_LR)
 # Without GPUs, for any --model: the laptop's run needs no network and ends in minutes. The tiny model's lr stays
 # with it (3e-3 would throw a real model's weights off).
 CPU_DEFAULTS = {k: v for k, v in TINY_DEFAULTS.items() if k not in ("model", "lr")}

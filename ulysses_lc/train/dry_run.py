@@ -57,7 +57,8 @@ def dry_run(cfg: TrainConfig) -> str:
     block = startup_block(out=None, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
                           num_params=num_params, kernel=run.model.kernel, plan=plan, estimate=estimate, device="gpu",
                           limits_line=limits_line, node=node_line(estimate, per_node))
-    text = "\n".join([block] + ([f"  {longest_line}"] if longest_line else [])
+    text = "\n".join([block] + ([f"  config    {checked.config_note}"] if checked.config_note else [])
+                     + ([f"  {longest_line}"] if longest_line else [])
                      + [f"  {checkpoint_line(run.output.keep_checkpoints, checked, num_params)}", "  nothing was loaded"])
     if not estimate.fit.fits:
         raise DoesNotFit(estimate.fit.verdict(), job.alternatives(seq_len, limits), text)

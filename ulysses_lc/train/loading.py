@@ -71,23 +71,45 @@ def _missing_folder(name: str) -> str:
     return f"--model {name}: no such folder ({folder.absolute()} does not exist); {hint}"
 
 
+# The config.json of published checkpoints, as published (model_configs/SOURCES.md says where each was read), so a dry
+# run sizes them without the hub: --dry-run needs the config alone. Package data: a wheel carries them.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
+
+
+def shipped_config(name: str) -> Path | None:
+    """The folder of the config.json ulysses_lc ships for hub name `name` ("Qwen/Qwen3-8B"), or None."""
+    folder = SHIPPED_CONFIGS / name.replace("/", "__")
+    return folder if name.count("/") == 1 and (folder / "config.json").is_file() else None
+
+
 def load_model_config(name: str):
     """The model's config (no weights), or a ValueError that says whether the name or the network is wrong."""
+    return model_config_and_source(name)[0]
+
+
+def model_config_and_source(name: str, dry_run: bool = False):
+    """(the model's config, None) from the hub, its cache or a folder; for a dry run of a hub name that cannot be
+    read, (the shipped config, a line saying so) where ulysses_lc ships one. ValueError as load_model_config."""
     if name in TINY_MODELS:
         from ..tiny import tiny_model_config
 
-        return tiny_model_config(name)
+        return tiny_model_config(name), None
     if looks_local(name) and not Path(name).expanduser().exists():
         raise ValueError(_missing_folder(name))  # transformers would take it for a hub name: a hub or network error
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name, **_hub_kwargs(name))
+        return AutoConfig.from_pretrained(name, **_hub_kwargs(name)), None
     except (OSError, ValueError) as e:
-        raise ValueError(_why_not_loadable(name, e)) from e
+        shipped = shipped_config(name) if dry_run and not Path(name).exists() else None
+        if shipped is None:
+            raise ValueError(_why_not_loadable(name, e, dry_run)) from e
+        note = (f"the config.json of {name} shipped with ulysses_lc ({shipped}), as published: the hub could not be "
+                f"read ({hub_offline() or type(e).__name__}), and a dry run needs no weights")
+        return AutoConfig.from_pretrained(shipped), note
 
 
-def _why_not_loadable(name: str, e: Exception) -> str:
+def _why_not_loadable(name: str, e: Exception, dry_run: bool = False) -> str:
     # transformers raises OSError for a bad name, a missing network and a broken folder alike; the text tells.
     text = str(e).lower()
     bad_name = "valid model identifier" in text or "repo id" in text or "repo_id" in text
@@ -99,6 +121,11 @@ def _why_not_loadable(name: str, e: Exception) -> str:
         why = f"no network ({offline or 'the hub did not answer'}) and no local copy of {name} in the Hugging Face cache"
     else:
         why = f"{name} is not a model on the Hugging Face hub or a local folder ({type(e).__name__})"
+    if dry_run:
+        shipped = ", ".join(sorted(p.parent.name.replace("__", "/") for p in SHIPPED_CONFIGS.glob("*/config.json")))
+        return (f"cannot load --model {name}: {why}. A dry run needs the config alone: pass --model ./folder, a folder "
+                f"holding only the model's config.json (e.g. `hf download {name} config.json --local-dir ./folder` "
+                f"on a machine with network). ulysses_lc ships the configs of {shipped} for dry runs without the hub.")
     return (f"cannot load --model {name}: {why}. Without the hub, pass "
             f"{LOCAL_ALTERNATIVES.replace('NAME', name)}.")
 

@@ -29,6 +29,7 @@ from ..parallel.distributed import init_distributed, seed_step, share_cpu_thread
 from ..parallel.layout import ParallelLayout
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
+from ..objectives.loss import step_num_items
 from ..shape import text_config
 from ..parallel.sharding import shard_batch
 from ..parallel.zero_reshard import universal_config
@@ -48,6 +49,7 @@ from .loading import load_model, load_tokenizer
 from . import job_watch
 from .preference_step import (DPOStep, build_pair_stream, load_reference, mean_metrics, pairs_in_step,
                               reference_entry)
+from .optimizer import param_groups, set_weight_decay
 from .preflight import preflight
 from .resume import change_lines, record_resume
 from .run_lock import hold_run_folder
@@ -158,18 +160,18 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     # The plan's parameter count is the dry run's (the config's, on the meta device), so both price the same state.
     num_params = sized_params(checked)
 
+    # No weight decay on biases and norm weights, as Hugging Face's Trainer (optimizer.py); the groups reach the
+    # config's optimizer too (DeepSpeed's CPU Adam under optimizer offload), which takes each group's weight_decay.
+    groups = param_groups(model, optim.weight_decay)
     optimizer = None
     if "optimizer" not in ds_config:
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=optim.lr, weight_decay=optim.weight_decay, fused=device.type == "cuda"
-        )
+        optimizer = torch.optim.AdamW(groups, lr=optim.lr, weight_decay=optim.weight_decay, fused=device.type == "cuda")
     schedule = Schedule(optim)  # a function of this object, not the object: LambdaLR would save and load its fields
     if rank0:
         logger.info("starting DeepSpeed's ZeRO-3 engine%s", " and the DPO reference model"
                     if dpo and run.objective.reference == "copy" else "")
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=model.parameters() if optimizer is None else None,
+        model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
         # Saved on another world size: the engine reads the ZeRO-3 state through DeepSpeed's universal checkpoint.
         config=universal_config(ds_config) if checked.resharded else ds_config, mpu=layout.mpu,
@@ -262,22 +264,30 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             lr = scheduler.get_last_lr()[0]
             losses, aux_losses, trained, documents, padding, pair_metrics = [], [], 0, 0, 0, []
             step_pairs = pairs_in_step(stream, stream.position, global_batch) if dpo else None
+            # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
+            # global_batch sequences however they are split over DP groups and micro steps.
+            windows = [stream.position + micro * layout.dp_size + layout.dp_rank for micro in range(grad_accum)]
+            if not dpo:  # every micro step's sequence first: its labels count in every sequence's token loss
+                samples = [stream.sample(window) for window in windows]
+                batches = [shard_batch(sample.input_ids, layout, labels=sample.labels, pad_token_id=pad_token_id(tokenizer),
+                                       vocab_size=text_config(model_config).vocab_size,
+                                       document_lengths=sample.document_lengths,
+                                       attention_mask=sample.attention_mask).to(device) for sample in samples]
+                # Tokens weigh the same across micro steps and DP groups, as in transformers' Trainer
+                # (docs/weighting.md): each sequence's summed token losses over the step's labels per sequence, which
+                # DeepSpeed's mean over the step's global_batch sequences turns into the step's token mean.
+                per_sequence = step_num_items([batch.labels for batch in batches], layout) / global_batch
             for micro in range(grad_accum):
-                # Micro step i, DP group j: window position + i * dp_size + j, so that the step takes the next
-                # global_batch sequences however they are split over DP groups and micro steps.
-                sample = stream.sample(stream.position + micro * layout.dp_size + layout.dp_rank)
                 seed_step(run.seed, layout.rank, step, micro)  # per rank and step: dropout masks differ by rank
                 if dpo:
-                    window = (stream.position + micro * layout.dp_size + layout.dp_rank) % len(stream)
+                    sample = stream.sample(windows[micro])
                     loss, metrics, n_trained, n_documents, n_padding = dpo_step(
-                        engine, sample, device, window, step_pairs=step_pairs, step_sequences=global_batch)
+                        engine, sample, device, windows[micro] % len(stream), step_pairs=step_pairs,
+                        step_sequences=global_batch)
                     pair_metrics.append(metrics)
                 else:
-                    batch = shard_batch(sample.input_ids, layout, labels=sample.labels,
-                                        pad_token_id=pad_token_id(tokenizer), vocab_size=text_config(model_config).vocab_size,
-                                        document_lengths=sample.document_lengths,
-                                        attention_mask=sample.attention_mask).to(device)
-                    loss = engine(**batch.as_kwargs())
+                    sample = samples[micro]
+                    loss = engine(**batches[micro].as_kwargs(), num_items_in_batch=per_sequence)
                     if model.last_aux_loss is not None:  # MoE: loss holds router_aux_loss_coef x this too
                         aux_losses.append(model.last_aux_loss)
                     n_trained, n_documents, n_padding = model.last_num_tokens, sample.num_documents, sample.padding_tokens
@@ -287,7 +297,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
             trained, documents, padding = _dp_sum([trained, documents, padding], layout)
-            # The host syncs of the step: the logged numbers.
+            # The host syncs of the step: the logged numbers (SFT: the token mean; DPO: the pair mean).
             loss_value = _dp_mean(torch.stack(losses).mean(), layout)
             aux_value = _dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
             step_time = time.perf_counter() - t0
@@ -354,7 +364,8 @@ def _apply_lr(scheduler, schedule: Schedule, optim: OptimSettings) -> None:
     scheduler.base_lrs = [optim.lr for _ in scheduler.base_lrs]
     lr = optim.lr * schedule(scheduler.last_epoch)
     for group in scheduler.optimizer.param_groups:
-        group["lr"], group["weight_decay"] = lr, optim.weight_decay
+        group["lr"] = lr
+    set_weight_decay(scheduler.optimizer, optim.weight_decay)  # the exempt group stays at 0
     scheduler._last_lr = [lr for _ in scheduler.base_lrs]
 
 
@@ -377,7 +388,7 @@ def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
 
 
 def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
-    """The step's loss averaged over DP groups (each SP group already holds its sequence's mean)."""
+    """The step's loss averaged over DP groups (each SP group holds the same value on its ranks)."""
     if layout.dp_size > 1:
         loss = loss.clone()
         torch.distributed.all_reduce(loss, group=layout.dp_group)

@@ -22,7 +22,7 @@ from ..peft_support import count_trainable_parameters, lora_config
 from ..levers.yarn import plan_rope
 from ..parallel.zero_reshard import check_complete
 from .checkpoint_files import read_manifest, verify
-from .loading import hub_offline, load_model_config
+from .loading import hub_offline, model_config_and_source
 from .config import CheckFailed, as_check_failed
 from .run_state import CHECKPOINT_DIR, check_output_dir, latest_tag, saved_layout
 from .settings import RunSettings
@@ -56,6 +56,7 @@ class Checked:
     global_batch: int = 1  # sequences per optimizer step: dp_size x gradient accumulation
     saved: dict | None = None  # --resume: the checkpoint's layout (run_state.saved_layout)
     rope: str = ""  # what yarn.plan_rope did, for the start-up block
+    config_note: str | None = None  # where a dry run read the config from, where not the hub or a folder
 
     @property
     def resharded(self) -> bool:
@@ -130,7 +131,7 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
         from .preference_step import check_pair_source
 
         check_pair_source(stream)
-    model_config = load_model_config(model.name)
+    model_config, config_note = model_config_and_source(model.name, dry_run=run.dry_run)
     check_model_for_ulysses(model_config, sp_size)
     rope = plan_rope(model_config, stream.seq_len, model.yarn_factor, rope_scaling=model.rope_scaling, sp_size=sp_size)
     rope.apply(model_config)
@@ -142,7 +143,7 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
     elif is_composite(model_config):  # the vision tower and projector stay frozen (composite.py)
         trainable = count_language_model_params(model_config)
     return Checked(out, ds_config, model_config, sp_size, world_size, peft_config, trainable, global_batch, saved,
-                   rope.summary)
+                   rope.summary, config_note)
 
 
 def _refuse_trained(out: Path, step: int, steps: int) -> None:
