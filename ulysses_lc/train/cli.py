@@ -46,9 +46,9 @@ def main(argv=None) -> None:
     from .launcher import split
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    flags, job_argv = split(argv)
-    if flags is not None:
-        sys.exit(_launch(flags, job_argv))
+    launch_flags, job_argv = split(argv)
+    if launch_flags is not None:
+        sys.exit(_launch(launch_flags, job_argv))
     # Every rank runs the same code, so rank 0's log and warnings say all there is; the others' would repeat it.
     logging.basicConfig(level=logging.INFO if _rank() == 0 else logging.WARNING, format="%(message)s")
     # The start-up block names the kernel and the RoPE: the library's own info lines of them (for a loop of one's own,
@@ -105,13 +105,13 @@ def main(argv=None) -> None:
         _fail(e)
 
 
-def _launch(flags, job_argv) -> int:
+def _launch(launch_flags, job_argv) -> int:
     from .config import parse_args
     from .launcher import launch
 
     cfg = parse_args(job_argv)  # a refused flag is said once, here, before any rank starts
     try:
-        return launch(flags, job_argv, cfg.stop_grace_s)
+        return launch(launch_flags, job_argv, cfg.stop_grace_s)
     except ValueError as e:  # a launch flag refused: nothing started
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -62,11 +62,11 @@ def split(argv: list[str]) -> tuple[argparse.Namespace | None, list[str]]:
     return (flags if any(getattr(flags, f) is not None for f in LAUNCH_FIELDS) else None), rest
 
 
-def launch(flags: argparse.Namespace, job_argv: list[str], stop_grace_s: float) -> int:
-    """Start flags.nproc_per_node ranks of `python -m ulysses_lc.train job_argv` here, wait for them, and return the
+def launch(launch_flags: argparse.Namespace, job_argv: list[str], stop_grace_s: float) -> int:
+    """Start --nproc-per-node ranks of `python -m ulysses_lc.train job_argv` here, wait for them, and return the
     job's exit code (0, 1 for a failure, 128 + the signal for a stop). job_argv: checked already (cli.py parses it
     once, here, so that a refused flag is said once: the ranks would each say it); stop_grace_s: its --stop-grace-s."""
-    _check(flags)
+    _check(launch_flags)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -75,12 +75,12 @@ def launch(flags: argparse.Namespace, job_argv: list[str], stop_grace_s: float) 
     if "DS_ACCELERATOR" not in os.environ and not _has_gpu():
         # DeepSpeed's detection warns on every rank that it fell back to the CPU: without a GPU that is the plan.
         os.environ["DS_ACCELERATOR"] = "cpu"
-    nnodes = flags.nnodes or 1
-    port = flags.master_port or (MASTER_PORT if nnodes > 1 else _free_port())
+    nnodes = launch_flags.nnodes or 1
+    port = launch_flags.master_port or (MASTER_PORT if nnodes > 1 else _free_port())
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=flags.nproc_per_node, run_id=uuid.uuid4().hex,
-        rdzv_backend="static", rdzv_endpoint=f"{flags.master_addr or '127.0.0.1'}:{port}",
-        rdzv_configs={"rank": flags.node_rank or 0}, max_restarts=0,
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=launch_flags.nproc_per_node, run_id=uuid.uuid4().hex,
+        rdzv_backend="static", rdzv_endpoint=f"{launch_flags.master_addr or '127.0.0.1'}:{port}",
+        rdzv_configs={"rank": launch_flags.node_rank or 0}, max_restarts=0,
         # SIGINT is this module's (_Interrupts): torch's handler, raised again by a second Ctrl-C inside its own wait
         # for the ranks, would leave them running.
         signals_to_handle="SIGTERM,SIGHUP,SIGQUIT", shutdown_timeout=int(stop_grace_s + STOP_WAIT_S),
@@ -100,8 +100,8 @@ def launch(flags: argparse.Namespace, job_argv: list[str], stop_grace_s: float) 
     return 0
 
 
-def _check(flags) -> None:
-    n, nnodes, node_rank = flags.nproc_per_node, flags.nnodes or 1, flags.node_rank or 0
+def _check(launch_flags) -> None:
+    n, nnodes, node_rank = launch_flags.nproc_per_node, launch_flags.nnodes or 1, launch_flags.node_rank or 0
     if "RANK" in os.environ:
         raise ValueError("--nproc-per-node and the flags with it start the job's ranks, and this process is already a "
                          "rank of a launcher's (torchrun, deepspeed, srun): drop them, or run ulysses-lc-train "
@@ -114,7 +114,7 @@ def _check(flags) -> None:
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank {node_rank} of --nnodes {nnodes}: give each node an index from 0 to "
                          f"{nnodes - 1}.")
-    if nnodes > 1 and not flags.master_addr:
+    if nnodes > 1 and not launch_flags.master_addr:
         raise ValueError(f"--nnodes {nnodes}: pass --master-addr (node 0's address) and the same --master-port on "
                          "every node.")
 
