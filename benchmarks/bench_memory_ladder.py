@@ -45,7 +45,8 @@ import torch  # noqa: E402
 
 GB = 1e9
 K = 1024
-# name: (shape, tokens (None: the longest that fits), DeepSpeed config, start-up seconds for the time guard[, layers])
+# name: (shape, tokens (None: the longest that fits), DeepSpeed config, start-up seconds for the time guard[, layers
+# [, GPU GB: the plan's limit and the caching allocator's cap, torch.cuda.set_per_process_memory_fraction]])
 RUNGS = {
     "0.6b@64k": ("qwen3-0.6b", 64 * K, "zero3", 30),
     "0.6b@256k": ("qwen3-0.6b", 256 * K, "zero3", 30),
@@ -57,6 +58,14 @@ RUNGS = {
     "mistral-7b-4L@128k": ("mistral-7b", 128 * K, "zero3", 40, 4),
     "gpt-oss-20b-2L@64k": ("gpt-oss-20b", 64 * K, "zero3", 60, 2),
     "qwen3-30b-a3b-2L@64k": ("qwen3-30b-a3b", 64 * K, "zero3", 60, 2),
+    # Issue 44 (benchmarks/results/2026-12-03/longest.sh): the longest on one GPU. The Llama-3.1-8B shape cut to 1
+    # layer with everything offloaded: its longest is bound by the full model's terms (one layer's recompute, the loss
+    # head), 1,721,344 tokens on a whole H200, a ~175 s step (2 layers ~344 s; the host would take 8 layers,
+    # 1,376,256 tokens, ~1,080 s: past one 10-minute call).
+    # The full Qwen3-0.6B shape at its longest for a 40 GB cap (602,112 tokens, ~290 s; 2,530,304 on the whole GPU
+    # would take ~6,200 s).
+    "llama-8b-1L-longest": ("llama-3.1-8b", None, "zero3_offload_all", 120, 1),
+    "0.6b-longest-40gb": ("qwen3-0.6b", None, "zero3", 30, None, 40),
 }
 SMOKE = {"tiny@512": ("tiny", 512, "zero3", 30), "tiny-offload@512": ("tiny", 512, "zero3_offload_optimizer", 30)}
 WARMUP_TOKENS = 8 * K
@@ -72,7 +81,8 @@ def _config(shape: str, seq: int, layers: int | None = None):
     return apply_yarn(config, max(seq, WARMUP_TOKENS))
 
 
-def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | None, layers: int | None = None):
+def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | None, layers: int | None = None,
+                    gpu_gb: float | None = None):
     import psutil
 
     from ulysses_lc import ModelShape
@@ -89,6 +99,7 @@ def _job_and_limits(shape: str, seq: int | None, ds_name: str, host_gb: float | 
     num_params = count_params(config)
     job = Job.from_ds_config(ModelShape.from_config(config), num_params, 1, 1, ds_config)
     gpu = torch.cuda.mem_get_info()[1] if cuda else 150e9
+    gpu = min(gpu, gpu_gb * GB) if gpu_gb else gpu
     limits = Limits(gpu, host_gb * GB if host_gb else 0.9 * psutil.virtual_memory().total)
     return config, ds_config, job, limits
 
@@ -105,11 +116,11 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
     from ulysses_lc.parallel.distributed import init_distributed
     from ulysses_lc.train.estimate import plan_reservations
 
-    shape, seq, ds_name, _, *layers = rung
-    layers = layers[0] if layers else None
+    shape, seq, ds_name, _, *rest = rung
+    layers, gpu_gb = (list(rest) + [None, None])[:2]
     rec = dict(id=name, date=time.strftime("%Y-%m-%d"), shape=shape, ds_config=ds_name, sp=1, world=1,
                head_groups="auto", packed=False, harness="zero3", command=" ".join(sys.argv))
-    config, ds_config, job, limits = _job_and_limits(shape, seq, ds_name, host_gb, layers)
+    config, ds_config, job, limits = _job_and_limits(shape, seq, ds_name, host_gb, layers, gpu_gb)
     rec.update(held_out=shape not in ("qwen3-0.6b", "qwen3-4b", "qwen3-8b", "tiny"), params=job.num_params,
                layers=job.shape.layers, limits_gb=[limits.gpu_bytes / GB, limits.host_bytes / GB])
     if seq is None:
@@ -129,6 +140,8 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        if gpu_gb:  # the caching allocator may not pass the limit the plan was made for
+            torch.cuda.set_per_process_memory_fraction(limits.gpu_bytes / torch.cuda.mem_get_info(dev)[1], dev)
         rec["machine"] = f"{torch.cuda.get_device_name(dev)}, {psutil.virtual_memory().total / GB:.0f} GB host"
     layout = ParallelLayout.build(1)
     torch.manual_seed(0)
@@ -193,8 +206,8 @@ def _child(cmd, log_path: Path, seconds: float) -> str | None:
 
 def _estimate_s(rung, host_gb) -> tuple[float, dict]:
     """Seconds the rung should take (start-up + warm-up + 1.25 x its predicted step), from the dry run's arithmetic."""
-    shape, seq, ds_name, startup, *layers = rung
-    _, _, job, limits = _job_and_limits(shape, seq, ds_name, host_gb, layers[0] if layers else None)
+    shape, seq, ds_name, startup, *rest = rung
+    _, _, job, limits = _job_and_limits(shape, seq, ds_name, host_gb, *rest)
     seq = seq or job.longest(limits)
     if not seq:  # the child only prices it: no model is built
         return 30, {}

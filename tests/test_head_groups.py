@@ -88,7 +88,7 @@ def test_grouped_kernel_bitwise_equal_to_one_call(heads, kv_heads, dtype, seq_ma
 
 def test_groups_must_divide_the_heads():
     q, k, v, _ = _inputs(8, 4, 16, 8, torch.float32)
-    with pytest.raises(ValueError, match="head_groups=3 must divide this rank's kv heads"):
+    with pytest.raises(ValueError, match=r"head_groups=3 must divide this rank's kv heads \(4\), or be a multiple"):
         explicit_attention(q, k, v, 0.3, "sdpa", 3)
     for bad in (0, -1, 1.5, True, "two"):
         with pytest.raises(ValueError, match="head_groups must be 'auto' or an int >= 1"):
@@ -105,8 +105,9 @@ def test_automatic_group_count_from_the_shapes():
     # Without GQA only the fp32 dq accumulator: half the block.
     assert attention_backward_block_bytes(262144, 16, 16, 128) == 2 * GIB
     assert attention_head_groups(262144, 16, 16, 128) == 2
-    # Qwen3-8B at sp 8, 1M tokens: 4 q heads and 1 kv head per rank: nothing to split.
-    assert attention_head_groups(1048576, 4, 1, 128) == 1
+    # Qwen3-8B at sp 8, 1M tokens: 4 q heads and 1 kv head per rank: one query head a call
+    # (tests/test_query_head_groups.py).
+    assert attention_head_groups(1048576, 4, 1, 128) == 4
     # Groups are divisors of the kv heads: 6 kv heads and a block of 5 target sizes -> 6 groups, not 5.
     block = attention_backward_block_bytes(4096, 12, 6, 8)
     assert attention_head_groups(4096, 12, 6, 8, target_bytes=block // 5) == 6
@@ -198,9 +199,10 @@ def _refusal_worker(rank, world_size):
     from tests.models import build
 
     layout = ParallelLayout.build(world_size)
-    # 2 kv heads over sp 2: one per rank, so 2 groups cannot exist.
-    with pytest.raises(ValueError, match="must divide the kv heads each rank runs: 2 kv heads over sp_size 2 = 1"):
-        SequenceParallelCausalLM(build("qwen3"), layout, attention_head_groups=2)
+    # 4 query / 2 kv heads over sp 2: 2 / 1 a rank, so 3 groups cannot exist (2 can: one query head each).
+    with pytest.raises(ValueError, match="must divide the kv heads each rank runs, or be a multiple of them dividing "
+                                         "its query heads: 2 kv / 4 query heads over sp_size 2 = 1 / 2"):
+        SequenceParallelCausalLM(build("qwen3"), layout, attention_head_groups=3)
     return True
 
 

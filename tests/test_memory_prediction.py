@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers import GptOssConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config, Qwen3MoeConfig
 
 from ulysses_lc import MemoryPlan, ModelShape, memory, memory_model
 from ulysses_lc.plan.sizing import Job
@@ -62,6 +62,11 @@ OTHER_SHAPES = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
         num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
         rope_theta=1e6, tie_word_embeddings=False)),
+    "llama-3.1-8b": (LlamaConfig, dict(  # meta-llama/Llama-3.1-8B (ulysses_lc/model_configs), its llama3 RoPE scaling left
+        # out: the ladder puts YaRN on it for the length (the issue's --rope-scaling yarn); memory does not depend on it
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        tie_word_embeddings=False)),
 }
 
 
@@ -126,7 +131,7 @@ TERMS = {
     "plain layers' extra for packed documents": (memory_model, "PACKED_PLAIN_FIT", 0.0),
     "first plain layer's backward": (memory_model, "BACKWARD_FIT", 0.0),
     "checkpointed layer's recompute": (memory_model, "RECOMPUTE_FIT", 0.0),
-    "attention kernel's block": (memory, "attention_backward_block_bytes", lambda *a: 0),
+    "attention kernel's block": (memory, "head_group_block_bytes", lambda *a: 0),
     "checkpointed inputs": (memory, "checkpointed_input_bytes_per_token", lambda shape: 0),
     "kept attention outputs": (memory, "kept_output_bytes_per_token", lambda shape: 0),
     "loss head": (memory, "loss_head_bytes", lambda shape, tokens: memory.auto_chunk_rows(shape.vocab) * shape.vocab * 4),
@@ -144,3 +149,26 @@ def test_every_term_is_needed_to_bound_the_measurements(term, monkeypatch):
         monkeypatch.setattr("ulysses_lc.plan.sizing.zero3_state_bytes", value)
     below = [p["id"] for p in FITTED_POINTS if not _bounds(p, *predict_point(p))[0]]
     assert below, f"without the {term} every point is still bounded: the term is not tested by the data"
+
+
+# Points whose measured allocator slack is above what the plan leaves them: findings, by how much. Qwen3-30B-A3B (128
+# experts a layer, 2 layers at 64k): 4.8 GB reserved beyond its peak, 42% of its 11.6 GB of activations.
+SLACK_ABOVE = {"qwen3-30b-a3b-2L@64k"}
+
+
+def test_allocator_slack_the_plan_leaves_covers_the_measured():
+    """memory_model.allocator_slack against each point's max_memory_reserved less max_memory_allocated, as a share of
+    the predicted activations and gathered weights: at or above every point but SLACK_ABOVE, and the one-GPU dense
+    share within 0.01 of the largest measured on such a point (fitted, not guessed)."""
+    dense_one_gpu = []
+    for point in (p for p in POINTS if p.get("gpu_reserved") is not None):
+        shape = ModelShape.from_config(qwen3_config(point["shape"], point["layers"]))
+        act, _ = memory.plan_bytes(shape, point["seq"], MemoryPlan(*point["plan"]), sp_size=point["sp"],
+                                   head_groups=point["head_groups"], packed=point["packed"])
+        gathered = memory_model.zero3_working_bytes(shape.largest_module_params) if point["harness"] == "zero3" else 0
+        measured = (point["gpu_reserved"] - point["gpu_peak"]) * 1e9 / (act + gathered)
+        share = memory_model.allocator_slack(shape, point["sp"])
+        assert (share >= measured) != (point["id"] in SLACK_ABOVE), (point["id"], share, measured)
+        if share == memory_model.DENSE_ONE_GPU_SLACK:
+            dense_one_gpu.append(measured)
+    assert len(dense_one_gpu) >= 10 and memory_model.DENSE_ONE_GPU_SLACK - max(dense_one_gpu) <= 0.01

@@ -191,15 +191,15 @@ def test_memory_plan_arithmetic():
                         num_key_value_heads=8, head_dim=128, vocab_size=151936)
     # Without kept attention outputs (keep_attention=False; tests/test_kept_attention.py has the default). The
     # counts are the fitted memory model's (memory_model.py, held to measured H200 peaks by
-    # tests/test_memory_prediction.py): 1M tokens on one H200 with ~120 GB free: 3 layers skip the recompute, 2
-    # checkpointed inputs stay on the device.
-    assert _plan(shape, 1 << 20, 120e9, keep_attention=False).counts == (25, 2, 0)
+    # tests/test_memory_prediction.py): 1M tokens on one H200 with ~120 GB free (5% allocator slack: one GPU, a dense
+    # shape): 3 layers skip the recompute, 8 checkpointed inputs stay on the device.
+    assert _plan(shape, 1 << 20, 120e9, keep_attention=False).counts == (25, 8, 0)
     # The attention kernel over one call instead of 8 head groups: its backward block is 17.2 GB instead of
-    # 2.1 GB, so a plain layer's room goes to it (fewer plain layers, more inputs on the device).
-    assert _plan(shape, 1 << 20, 120e9, keep_attention=False, head_groups=1).counts == (26, 9, 0)
+    # 2.1 GB, so the room of 7 inputs on the device goes to it.
+    assert _plan(shape, 1 << 20, 120e9, keep_attention=False, head_groups=1).counts == (25, 1, 0)
     # At sp 2 a rank plans for its 512k tokens: more layers skip the recompute.
     assert _plan(shape, 1 << 19, 120e9, keep_attention=False, sp_size=2).counts == (23, 10, 0)
-    # 128k tokens: all layers but one skip the recompute.
-    assert _plan(shape, 1 << 17, 120e9, keep_attention=False).counts == (1, 1, 0)
+    # 128k tokens: every layer skips the recompute.
+    assert _plan(shape, 1 << 17, 120e9, keep_attention=False).counts == (0, 0, 0)
     # No room beyond one layer's working set: recompute and offload everything.
     assert _plan(shape, 1 << 20, 10e9, keep_attention=False).counts == (28, 0, 0)

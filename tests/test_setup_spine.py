@@ -48,7 +48,7 @@ def test_plan_step_plans_with_the_models_own_offload_setting(free_memory):
     assert plan_off.keep_on_gpu < plan_off.recompute_layers  # the offloading model sends inputs there
     # What plan_step_memory plans for: the free memory less NCCL's and ZeRO-3's still to come.
     device = free_memory["device"] - memory.LATER_CONTEXT_BYTES - (
-        memory_model.zero3_working_bytes(kept.shape.largest_module_params) * (1 + memory_model.ALLOCATOR_SLACK))
+        memory_model.zero3_working_bytes(kept.shape.largest_module_params) * (1 + memory_model.allocator_slack(kept.shape, 1)))
     assert plan_kept == plan_memory(kept.shape, SEQ, device, host_free_bytes=1 << 40, offload=False)
 
 

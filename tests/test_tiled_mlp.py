@@ -85,8 +85,12 @@ def test_params_only_need_grad_and_frozen_input():
 def test_auto_num_tiles_rule():
     # Qwen3-4B: 4 x 9728 / 2560 -> 16 tiles, each tile's intermediate about a quarter of x.
     assert auto_num_tiles(262_144, 2560, 9728) == 16
-    # Qwen3-0.6B at 1M tokens: 12 tiles.
-    assert auto_num_tiles(1_048_576, 1024, 3072) == 12
+    # Qwen3-0.6B at 128k tokens: 12 tiles; from 256k no tile over 16k tokens: 16 at 256k, 64 at 1M.
+    assert auto_num_tiles(131_072, 1024, 3072) == 12
+    assert auto_num_tiles(262_144, 1024, 3072) == 16
+    assert auto_num_tiles(1_048_576, 1024, 3072) == 64
+    # Llama-3.1-8B at sp 8, 5.5M tokens (688,128 a rank): 42 tiles, not ceil(4 x 14336 / 4096) = 14.
+    assert auto_num_tiles(688_128, 4096, 14336) == 42
     # Short sequences: no tile under 1024 tokens.
     assert auto_num_tiles(3000, 2560, 9728) == 3
     assert auto_num_tiles(100, 64, 32) == 1

@@ -98,6 +98,11 @@ def _mlp_params(cfg, layer: int, active: bool = False) -> int:
     return e * experts + used * 3 * e * width + 3 * e * shared
 
 
+# Model types whose attention has no per-head q / k norm (their modeling files in transformers 5).
+NO_QK_NORM = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi3", "gpt_oss", "gemma", "gemma2",
+                        "smollm3"})
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only transformer that memory and FLOPs depend on."""
@@ -177,6 +182,13 @@ class ModelShape:
         _, hv, dk, dv = self.linear_heads
         per_token_head = 2 * (3 * dk * dv + GDN_CHUNK * (2 * dk + dv))
         return float(sum(self.linear_layers)) * seq * hv * per_token_head
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether the attention normalises q and k per head before RoPE (Qwen3, Gemma 3, OLMo 2): that RMSNorm keeps
+        q and k as they leave their projections for its backward. Families known to have none are listed; any
+        other model type is counted with them (the larger working set)."""
+        return self.model_type not in NO_QK_NORM
 
     def local_heads(self, sp_size: int) -> int:
         """h_local: query heads one rank runs during attention."""

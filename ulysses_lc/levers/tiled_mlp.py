@@ -10,7 +10,7 @@ An MLP acts on each token on its own, so computing it tile by tile along s is ex
 holds for a sparse MoE block: routing is per token (top-k over that token's router logits), so
 a token's output does not depend on which other tokens share its tile.
 
-Tile rule: tiles = ceil(4 i / e), but no tile shorter than MIN_TILE_TOKENS. A tile's backward
+Tile rule: tiles = ceil(4 i / e), but no tile longer than MAX_TILE_TOKENS or shorter than MIN_TILE_TOKENS. A tile's backward
 holds about four to six [c, i] tensors at once (gate, up, act(gate), their product and their
 gradients), so a tile intermediate of a quarter of the layer input [s_local, e] keeps the MLP's working
 set near one layer input. The first rule, ceil(i / e), left 3 tiles of [s_local/3, i] on the Qwen3-0.6B
@@ -46,11 +46,17 @@ from ..shape import text_config
 
 
 MIN_TILE_TOKENS = 1024
+# At millions of tokens a quarter of the layer input is still gigabytes: on the Llama-3.1-8B shape at sp 8 and 5.5M
+# tokens a tile of s_local / 14 holds six [c, i] of 8.5 GB, and a checkpointed layer's MLP backward then peaks above
+# its attention backward (plan/memory.py). No tile longer than this: 1.5 GB there, and matmuls of 16k rows still run
+# at full rate.
+MAX_TILE_TOKENS = 16384
 
 
 def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
-    """Tiles so that one tile's [t, intermediate] is about a quarter of the layer input [s, hidden]."""
-    by_width = math.ceil(4 * intermediate_size / hidden_size)
+    """Tiles so that one tile's [t, intermediate] is about a quarter of the layer input [s, hidden], and no tile
+    longer than MAX_TILE_TOKENS."""
+    by_width = max(math.ceil(4 * intermediate_size / hidden_size), math.ceil(seq_len / MAX_TILE_TOKENS))
     return max(1, min(by_width, math.ceil(seq_len / MIN_TILE_TOKENS)))
 
 

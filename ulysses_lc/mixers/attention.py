@@ -28,7 +28,7 @@ from ..parallel.exchange import heads_to_seq, qkv_seq_to_heads, replicate_kv_hea
 from ..handle import Handle
 from .explicit_attention import (
     ExplicitAttention, attention_head_groups, check_head_groups, explicit_attention, keeps_attention_outputs,
-    valid_head_groups,
+    splits_heads, valid_head_groups,
 )
 from .kernels import KERNELS, causal_attention, document_attention, flash_attn_func, resolve_kernel
 from ..parallel.layout import ParallelLayout, check_heads
@@ -229,12 +229,13 @@ class UlyssesAttention:
         if self.head_groups != "auto":
             shape = ModelShape.from_config(model.config)
             sp = self.layout.sp_size
-            local_kv = shape.local_kv_heads(sp)
-            if local_kv % self.head_groups:
+            local_kv, local_q = shape.local_kv_heads(sp), shape.local_heads(sp)
+            if not splits_heads(local_q, local_kv, self.head_groups):
                 raise ValueError(
-                    f"head_groups={self.head_groups} must divide the kv heads each rank runs: "
-                    f"{shape.kv_heads} kv heads over sp_size {sp} = {local_kv}; pick a divisor of "
-                    f"{local_kv}, or head_groups='auto'."
+                    f"head_groups={self.head_groups} must divide the kv heads each rank runs, or be a multiple of them "
+                    f"dividing its query heads: {shape.kv_heads} kv / {shape.heads} query heads over sp_size {sp} = "
+                    f"{local_kv} / {local_q}; pick a divisor of {local_kv}, a multiple of it dividing {local_q}, or "
+                    "head_groups='auto'."
                 )
         linear = install_linear_attention(model, self.layout, borders=self)
         self.register()

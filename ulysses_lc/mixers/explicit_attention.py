@@ -117,7 +117,15 @@ def explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
 # not deterministic run to run (atomic dq accumulation), and the groups stay within that spread (GPU test).
 # Groups of whole kv heads keep every kv head's gradient inside one call: splitting the query heads that
 # share a kv head would add partial dk, dv sums in another order. Under Ulysses a rank holds h_kv / sp kv
-# heads (at least one), so the groups are divisors of that.
+# heads (at least one), so these groups are divisors of that.
+#
+# Past one kv head a group (more groups than kv heads: query-head groups, UPipe's headwise chunking, arXiv
+# 2602.21196) the calls split the query heads that share a kv head: a call then holds its own query heads' block
+# only (no GQA expansion when it runs one query head), and each kv head's dk, dv are the sum of its calls'
+# partials, added in fp32 and rounded once, as the kernel's own GQA reduction sums its per-query-head dk, dv.
+# At sp 8 on Llama-3.1-8B (4 q / 1 kv heads a rank) the block is 8 x 4 x s x d bytes in one call, 16 GB at 3.9M
+# tokens; four calls of one query head hold 4 s d (dq's fp32 accumulator) + 8 s d (dk, dv's fp32 sums) + 6 s d
+# (one call's dq, dk, dv) and no bf16 dk, dv until the sums end: 14 s d net, 7 GB.
 
 # The per-group block we aim for: the size of the loss head's chunk, far below one layer's activations at
 # the lengths where it matters.
@@ -130,17 +138,38 @@ def attention_backward_block_bytes(seq: int, heads: int, kv_heads: int, head_dim
     return (4 + (4 if kv_heads != heads else 0)) * heads * seq * head_dim
 
 
+def head_group_block_bytes(seq: int, heads: int, kv_heads: int, head_dim: int, groups: int) -> float:
+    """Bytes the grouped backward holds beside out, dq, dk, dv at its peak, over `groups` head groups: one group's
+    block, and past one kv head a group (query-head groups) the kv head's fp32 dk, dv sums and one call's dq, dk,
+    dv, less the bf16 dk, dv not yet written where the rank runs one kv head (the note above)."""
+    if groups <= kv_heads:
+        return attention_backward_block_bytes(seq, heads, kv_heads, head_dim) / groups
+    per_call = heads // groups
+    call = attention_backward_block_bytes(seq, per_call, 1, head_dim)
+    sums, outputs = 8 * seq * head_dim, 2 * (per_call + 2) * seq * head_dim
+    return call + sums + outputs - (4 * seq * head_dim if kv_heads == 1 else 0)
+
+
+def splits_heads(heads: int, kv_heads: int, groups: int) -> bool:
+    """Whether `groups` groups split `heads` query / `kv_heads` kv heads: whole kv heads (a divisor of kv_heads), or
+    whole query heads of one kv head each (a multiple of kv_heads dividing heads)."""
+    if groups < 1:
+        return False
+    return kv_heads % groups == 0 or (groups % kv_heads == 0 and heads % groups == 0)
+
+
 def attention_head_groups(
     seq: int, heads: int, kv_heads: int, head_dim: int, target_bytes: int = _ATTENTION_BLOCK_TARGET_BYTES
 ) -> int:
-    """How many groups of whole kv heads to run the attention kernel over, one at a time: the fewest whose
-    per-group backward block is at most `target_bytes`, or one per kv head when even that is larger.
-    `heads` and `kv_heads` are what one rank runs (after the Ulysses exchange)."""
-    block = attention_backward_block_bytes(seq, heads, kv_heads, head_dim)
-    for groups in range(1, kv_heads + 1):
-        if kv_heads % groups == 0 and block <= target_bytes * groups:
+    """How many head groups to run the attention kernel over, one at a time: the fewest whose block
+    (`head_group_block_bytes`) is at most `target_bytes`, else the one with the least block (groups of whole kv
+    heads first, then of query heads of one kv head). `heads` and `kv_heads` are what one rank runs (after the
+    Ulysses exchange)."""
+    counts = [g for g in range(1, heads + 1) if splits_heads(heads, kv_heads, g)]
+    for groups in counts:
+        if head_group_block_bytes(seq, heads, kv_heads, head_dim, groups) <= target_bytes:
             return groups
-    return kv_heads
+    return min(counts, key=lambda g: (head_group_block_bytes(seq, heads, kv_heads, head_dim, g), g))
 
 
 def valid_head_groups(value) -> bool:
@@ -149,11 +178,22 @@ def valid_head_groups(value) -> bool:
 
 
 def check_head_groups(q, k, groups: int) -> None:
-    if groups < 1 or k.shape[1] % groups or q.shape[1] % groups:
+    if not splits_heads(q.shape[1], k.shape[1], groups):
         raise ValueError(
-            f"head_groups={groups} must divide this rank's kv heads ({k.shape[1]}) and query heads "
-            f"({q.shape[1]}); pick a divisor of {k.shape[1]}, or head_groups='auto'."
+            f"head_groups={groups} must divide this rank's kv heads ({k.shape[1]}), or be a multiple of them "
+            f"dividing its query heads ({q.shape[1]}); pick a divisor of {k.shape[1]}, a multiple of it dividing "
+            f"{q.shape[1]}, or head_groups='auto'."
         )
+
+
+def _group_slices(heads: int, kv_heads: int, groups: int) -> list[tuple[slice, slice]]:
+    """(query heads, kv heads) of each group, in order: groups past one kv head share it with their neighbours."""
+    gq = heads // groups
+    if groups <= kv_heads:
+        gk = kv_heads // groups
+        return [(slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)) for g in range(groups)]
+    per_kv = heads // kv_heads
+    return [(slice(g * gq, (g + 1) * gq), slice(g * gq // per_kv, g * gq // per_kv + 1)) for g in range(groups)]
 
 
 def _grouped_forward(backend, q, k, v, scale, groups):
@@ -163,11 +203,9 @@ def _grouped_forward(backend, q, k, v, scale, groups):
     if groups == 1:
         out, lse, aux = fwd(q, k, v, scale)
         return out, lse, (aux,)
-    gq, gk = q.shape[1] // groups, k.shape[1] // groups
     out = lse = None
     auxes = []
-    for g in range(groups):
-        sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
+    for g, (sq, sk) in enumerate(_group_slices(q.shape[1], k.shape[1], groups)):
         out_g, lse_g, aux = fwd(q[:, sq], k[:, sk], v[:, sk], scale)
         if out is None:
             # out in q's layout (empty_like keeps q's strides); the backward ops read out and dout through
@@ -188,15 +226,35 @@ def _grouped_backward(backend, dout, q, k, v, out, lse, auxes, scale):
     groups = len(auxes)
     if groups == 1:
         return bwd(dout, q, k, v, out, lse, auxes[0], scale)
-    gq, gk = q.shape[1] // groups, k.shape[1] // groups
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for g, aux in enumerate(auxes):
-        sq, sk = slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    slices = _group_slices(heads, kv_heads, groups)
+    dq = torch.empty_like(q)
+    # Query-head groups sum each kv head's dk, dv in fp32 over its calls (the note above); with one kv head the sums
+    # become dk, dv themselves, so no bf16 copy is held beside them.
+    split, one_kv = groups > kv_heads, groups > kv_heads and kv_heads == 1
+    dk, dv = (None, None) if one_kv else (torch.empty_like(k), torch.empty_like(v))
+    sums = None
+    for g, (aux, (sq, sk)) in enumerate(zip(auxes, slices)):
         dq_g, dk_g, dv_g = bwd(dout[:, sq], q[:, sq], k[:, sk], v[:, sk], out[:, sq], lse[g], aux, scale)
         dq[:, sq].copy_(dq_g)
-        dk[:, sk].copy_(dk_g)
-        dv[:, sk].copy_(dv_g)
+        if not split:
+            dk[:, sk].copy_(dk_g)
+            dv[:, sk].copy_(dv_g)
+        elif sums is None:
+            sums = [dk_g.float(), dv_g.float()]
+        else:
+            sums[0].add_(dk_g)
+            sums[1].add_(dv_g)
         del dq_g, dk_g, dv_g
+        if split and (g + 1 == groups or slices[g + 1][1] != sk):  # this kv head's last call: round once
+            if one_kv:
+                dk = sums[0].to(k.dtype)
+                sums[0] = None
+                dv = sums[1].to(v.dtype)
+            else:
+                dk[:, sk].copy_(sums[0])
+                dv[:, sk].copy_(sums[1])
+            sums = None
     return dq, dk, dv
 
 

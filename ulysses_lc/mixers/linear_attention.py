@@ -43,6 +43,10 @@ LINEAR_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _MIXER_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
 DELTANET_KERNELS = ("auto", "fla", "torch")
 _FLA_REFUSAL = "#640"  # in fla's error for Hopper on Triton 3.4.0 - 3.7.0 (fla/ops/common/chunk_o.py)
+# The first torch whose wheels bring a Triton fla's gated backward runs on: 2.12.1 pins triton==3.7.1 (2.11.0 pins
+# 3.6.0, 2.12.0 3.7.0: their metadata on PyPI); the `fla` extra asks for it (pyproject.toml).
+FLA_TORCH = "2.12.1"
+FLA_FIX = f"install torch >= {FLA_TORCH} (it brings Triton >= 3.7.1): pip install 'ulysses_lc[fla]'"
 
 
 def valid_linear_sp_sizes(key_heads: int, value_heads: int) -> list[int]:
@@ -115,10 +119,12 @@ def resolve_deltanet_kernel(kernel: str, device: torch.device) -> tuple[str, str
     refusal = _fla_probe(device.index if device.index is not None else torch.cuda.current_device())
     if refusal is not None:
         if kernel == "fla":
-            raise ValueError(f"fla's gated delta rule refuses this GPU: {refusal}; use deltanet kernel 'torch'.")
-        logger.warning("fla refuses its gated backward here (%s): gated DeltaNet layers take the torch path", refusal)
-        return "torch", f"fla refuses its backward here: {refusal}"
-    return "fla", "fla-core (its kernels autotune on the first step at each length: minutes on a fresh machine, then cached)"
+            raise ValueError(f"fla's gated delta rule refuses this GPU: {refusal}; {FLA_FIX}, or use deltanet kernel "
+                             "'torch'.")
+        logger.warning("fla refuses its gated backward here (%s): gated DeltaNet layers take the torch path; %s",
+                       refusal, FLA_FIX)
+        return "torch", f"fla refuses its backward here: {refusal}; {FLA_FIX}"
+    return "fla", "fla-core (its kernels autotune on the first step, minutes on a fresh machine, then kept in the kernel cache)"
 
 
 # Device bytes one gated DeltaNet layer's recurrence holds at its peak (forward + backward), per token of the whole

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from importlib import metadata, util
 
+from ..mixers.linear_attention import FLA_FIX, FLA_TORCH
+
 DELTANET_RULE = "fla where fla-core is installed and its backward runs on the GPU, else the torch path"
 DELTANET_PATHS = ("auto", "fla", "torch")
 # fla refuses its gated backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1, where it computes wrong gradients
@@ -65,7 +67,7 @@ def deltanet_path(kernel: str = "auto") -> tuple[str, str]:
 
     low, high = FLA_REFUSED_TRITON
     if Version(low) <= Version(triton) < Version(high):
-        return "torch", f"fla refuses its gated backward on Hopper with Triton {triton}: needs >= {high}"
+        return "torch", f"fla refuses its gated backward on Hopper with Triton {triton}; {FLA_FIX}"
     return "fla", f"fla-core, Triton {triton}"
 
 
@@ -95,4 +97,4 @@ def pricing_line(shape, kernel: str = "auto") -> str | None:
             f"forward, {TORCH_BACKWARD_S_PER_TOKEN * 1e6:.1f} us backward per token and layer on each rank, measured")
 
 
-__all__ = ["DELTANET_PATHS", "DELTANET_RULE", "deltanet_path", "pricing_line", "torch_path_seconds"]
+__all__ = ["DELTANET_PATHS", "DELTANET_RULE", "FLA_FIX", "FLA_TORCH", "deltanet_path", "pricing_line", "torch_path_seconds"]

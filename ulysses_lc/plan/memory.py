@@ -3,7 +3,7 @@ attention output, for one step of `seq_len` tokens in the memory there is.
 
 It sits above the levers: each lever states its own bytes next to its own constants
 (`checkpointing.checkpointed_input_bytes_per_token`, `attention.kept_output_bytes_per_token`,
-`kernels.attention_backward_block_bytes`, `chunked_loss.loss_head_bytes`); this module adds what a decoder
+`explicit_attention.head_group_block_bytes`, `chunked_loss.loss_head_bytes`); this module adds what a decoder
 layer's activations cost and chooses. One shape (`shape.ModelShape`), one function (`plan_memory`), one
 named result (`MemoryPlan`), which `SequenceParallelCausalLM` takes (`plan=` or `use_plan`). Every driver
 (main job, Trainer path, benchmarks) gets its plan from `SequenceParallelCausalLM.plan_step`, which calls
@@ -22,10 +22,11 @@ import torch
 from ..levers.checkpointing import checkpointed_input_bytes_per_token
 from ..mixers.attention import kept_output_bytes_per_token
 from ..levers.chunked_loss import auto_chunk_rows, loss_head_bytes
-from ..mixers.explicit_attention import attention_backward_block_bytes, attention_head_groups, keeps_attention_outputs
+from ..levers.tiled_mlp import auto_num_tiles
+from ..mixers.explicit_attention import attention_head_groups, head_group_block_bytes, keeps_attention_outputs
 from ..parallel.layout import ParallelLayout
 from ..mixers.linear_attention import recurrence_block_bytes
-from .memory_model import ALLOCATOR_SLACK, CONTEXT_BYTES, HOST_HEADROOM, StepTerms, zero3_working_bytes
+from .memory_model import CONTEXT_BYTES, HOST_HEADROOM, StepTerms, allocator_slack, zero3_working_bytes
 from ..shape import ModelShape
 from ..mixers.window_attention import band_bytes_per_token
 
@@ -72,21 +73,48 @@ class MemoryPlan:
                 f"device), {self.cache_attention_layers} keep their attention output")
 
 
-# Decoder-layer activations under the levers, bf16 bytes per local token, with q = h x d and kv = h_kv x d: the
-# formulas the memory model (memory_model.py) scales by coefficients fitted to measured peaks:
-#   a layer that keeps everything (no recompute): the inputs of the norms and projections, q/k/v and the
-#   attention output, 2 (4e + 3q + 3kv) (26.6 KB on the Qwen3-0.6B shape; 27.7 KB measured);
-#   one layer's recompute-and-backward working set: 2 (8e + 6q + 6kv), plus the attention backward's own block
-#   (explicit_attention.py) over its head groups (57 KB a token on the Qwen3-0.6B shape at 256k by this formula, 36.7 KB
-#   measured beside the block, BENCHMARKS.md G).
+# Decoder-layer activations under the levers, bf16 bytes per local token, with q = h x d, kv = h_kv x d and kv' the
+# keys' width after the exchange (h_kv_local x sp x d: kv, or more where sp > h_kv replicates them): the formulas
+# the memory model (memory_model.py) scales by coefficients fitted to measured peaks.
+#   A layer that keeps everything (no recompute): the inputs of the norms and projections, q/k/v and the attention
+#   output, 2 (4e + 3q + 3kv) (26.6 KB on the Qwen3-0.6B shape; 27.7 KB measured).
+#   One checkpointed layer's recompute and backward peaks at one of two moments, counted tensor by tensor:
+#   - its attention backward: the layer input and its norm (x, nx: 2e), q, k, v and out after the exchange (2q + 2kv'),
+#     the residual's gradient (e), dout, dq, dk, dv (2q + 2kv'), where the model norms q and k per head their inputs
+#     (q + kv), and the kernel's own block (explicit_attention.py): 2 (3e + 4q + 4kv' [+ q + kv]);
+#   - its MLP backward: x, nx, q, k, v, out, under SP the output projection's input (out exchanged back: at sp 1 the
+#     kernel writes out in q's seq-major layout, and the projection's input is a view of it, as SP_PLAIN_FIT's extra
+#     output under SP says), the MLP block's input and its norm (2e), the layer output's and the MLP input's
+#     gradients (2e), and one tile's intermediates (six [c, i]: tiled_mlp.py):
+#     2 (6e + 2q [+ q under SP] + 2kv' [+ q + kv]) + 12 i / tiles.
+#   The first (18 units of 1024 on the Qwen3-0.6B shape, 36.9 KB) is the 36.7 KB a token measured beside the
+#   block on one 0.6B layer at 256k and at 2M (BENCHMARKS.md G); the second binds where e and i are wide.
 
 
 def plain_layer_bytes_per_token(shape: ModelShape) -> int:
     return 2 * (4 * shape.hidden + 3 * shape.q_width + 3 * shape.kv_width)
 
 
-def working_set_bytes_per_token(shape: ModelShape) -> int:
-    return 2 * (8 * shape.hidden + 6 * shape.q_width + 6 * shape.kv_width)
+def _exchanged_kv_width(shape: ModelShape, sp_size: int) -> int:
+    return shape.local_kv_heads(sp_size) * sp_size * shape.head_dim
+
+
+def _qk_norm_width(shape: ModelShape) -> int:
+    return shape.q_width + shape.kv_width if shape.qk_norm else 0
+
+
+def working_set_bytes_per_token(shape: ModelShape, sp_size: int = 1) -> int:
+    """One checkpointed layer's attention backward, beside the kernel's block (the note above)."""
+    kv = _exchanged_kv_width(shape, sp_size)
+    return 2 * (3 * shape.hidden + 4 * shape.q_width + 4 * kv + _qk_norm_width(shape))
+
+
+def mlp_moment_bytes_per_token(shape: ModelShape, seq_local: int, sp_size: int = 1) -> float:
+    """One checkpointed layer's MLP backward with its tiles at `seq_local` tokens (the note above)."""
+    kv = _exchanged_kv_width(shape, sp_size)
+    tiles = auto_num_tiles(seq_local, shape.hidden, shape.intermediate)
+    q = (3 if sp_size > 1 else 2) * shape.q_width
+    return 2 * (6 * shape.hidden + q + 2 * kv + _qk_norm_width(shape)) + 12 * shape.intermediate / tiles
 
 
 def plan_memory(
@@ -109,12 +137,12 @@ def plan_memory(
     outputs in host memory where it has room. Without offload every checkpointed input stays on the device and
     the outputs come before plain layers (a tenth of a plain layer's bytes for most of its time saved).
     headroom: the share of `device_free_bytes` planned for (default: what the allocator's slack leaves,
-    memory_model.ALLOCATOR_SLACK). When nothing fits, the plan that needs the least device memory (sizing.Job.fit
+    memory_model.allocator_slack). When nothing fits, the plan that needs the least device memory (sizing.Job.fit
     says by how much it is over).
     """
     terms = step_terms(shape, seq_len, sp_size=sp_size, head_groups=head_groups, keep_attention=keep_attention,
                        offload=offload, packed=packed, long_documents=long_documents, deltanet=deltanet)
-    device = device_free_bytes * (1 / (1 + ALLOCATOR_SLACK) if headroom is None else headroom)
+    device = device_free_bytes * (1 / (1 + allocator_slack(shape, sp_size)) if headroom is None else headroom)
     return _choose(terms, device, float("inf") if host_free_bytes is None else host_free_bytes)
 
 
@@ -162,7 +190,7 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
     heads_local, kv_local = shape.local_heads(sp_size), shape.local_kv_heads(sp_size)
     groups = head_groups if head_groups != "auto" else attention_head_groups(s_pad, heads_local, kv_local,
                                                                              shape.head_dim)
-    block = attention_backward_block_bytes(s_pad, heads_local, kv_local, shape.head_dim) / groups
+    block = head_group_block_bytes(s_pad, heads_local, kv_local, shape.head_dim, groups)
     # A gated DeltaNet's recurrence: what a plain one stores from its forward is its whole block (its backward works
     # within it); a recomputed one builds it again, and on fla holds more at its peak (recurrence_recompute). The
     # model counts the block on the plain layers that are DeltaNets.
@@ -174,8 +202,9 @@ def step_terms(shape: ModelShape, seq_len: int, *, sp_size: int = 1, head_groups
         layers=shape.layers, plain_formula=seq_local * plain_layer_bytes_per_token(shape),
         recurrence=recurrence, recurrence_recompute=recurrence_recompute, linear_layers=shape.linear_layers,
         # Window / sink layers: the band's own copies (window_attention.py) join the working set.
-        working_formula=seq_local * (working_set_bytes_per_token(shape)
+        working_formula=seq_local * (working_set_bytes_per_token(shape, sp_size)
                                      + (band_bytes_per_token(shape) if shape.layer_windows or shape.sinks else 0)),
+        mlp_formula=seq_local * mlp_moment_bytes_per_token(shape, seq_local, sp_size),
         block=block,
         kept=seq_local * checkpointed_input_bytes_per_token(shape),
         # One full-attention layer's output: a hybrid's DeltaNet layers keep none (StepTerms counts them by type).
@@ -304,7 +333,7 @@ def plan_step_memory(
     else:
         device_free, host_free = measure_free_memory(device, layout)
         device_free -= (reserved_bytes + LATER_CONTEXT_BYTES
-                        + zero3_working_bytes(shape.largest_module_params) * (1 + ALLOCATOR_SLACK))
+                        + zero3_working_bytes(shape.largest_module_params) * (1 + allocator_slack(shape, layout.sp_size)))
         host_free *= HOST_HEADROOM
     return plan_memory(
         shape, seq_len, device_free, sp_size=layout.sp_size, host_free_bytes=max(host_free, 0),

@@ -40,12 +40,26 @@ PACKED_PLAIN_FIT = 0.57
 BACKWARD_FIT = 0.18
 # One checkpointed layer's recompute and backward against the formula 2 (8e + 6q + 6kv) (memory.working_set_bytes_per_
 # token), beside the kernel's block: 36.7 KB a token on one 0.6B layer at 256k and at 2M (53.2 by the formula).
-RECOMPUTE_FIT = 0.69
+RECOMPUTE_FIT = 1.0
 
-# Device memory the allocator holds beyond what is allocated (expandable segments): up to 16.5% of the step's
-# activations measured (8B shape at sp 2: 131.7 GB reserved for 122.6 allocated, 67.6 of them state); the plan
-# leaves this much free.
+# Device memory the allocator holds beyond what is allocated (expandable segments), as a share of the step's
+# activations and ZeRO-3's gathered weights; the plan leaves this much free. Under sequence parallelism up to 16.9%
+# measured (8B shape at sp 2: 131.7 GB reserved for 122.6 allocated, 67.6 of them state; 4.4% on the 0.6B shape): 17%.
 ALLOCATOR_SLACK = 0.17
+# On one GPU, shapes whose decoder layers are all one dense layer: 0.7-4.7% over the 13 such points measured (Qwen3-0.6B
+# and -4B, Mistral-7B; 12-116 GB of activations, max_memory_reserved less max_memory_allocated): 5%. Other shapes keep
+# ALLOCATOR_SLACK: MoE measured 9.4% (gpt-oss-20b) and 42% of Qwen3-30B-A3B's small activations (4.8 GB, its 128
+# experts' tensors), hybrids were not measured.
+DENSE_ONE_GPU_SLACK = 0.05
+
+
+def allocator_slack(shape, sp_size: int) -> float:
+    """The allocator's slack the plan leaves for a step of `shape` (plan.ModelShape) over `sp_size` ranks, as a share
+    of its activations and gathered weights (the constants above)."""
+    uniform_dense = shape.layer_params * shape.layers == shape.layer_matmul_params
+    return DENSE_ONE_GPU_SLACK if sp_size == 1 and uniform_dense else ALLOCATOR_SLACK
+
+
 # CUDA context, NCCL buffers and cuDNN workspaces outside the caching allocator (0.67 GiB seen at one GPU).
 CONTEXT_BYTES = 2 * 10**9
 # The host process itself (Python, torch, CUDA and NCCL libraries, DeepSpeed): RSS less the pinned offload buffers,
@@ -101,6 +115,7 @@ class StepTerms:
 
     @classmethod
     def fitted(cls, *, layers: int, plain_formula: float, working_formula: float, block: float, kept: int,
+               mlp_formula: float,
                cached: int, attention_output: int, loss: int, loss_chunk: int, sp_size: int, packed: bool,
                offload: bool, recurrence: float = 0, linear_layers: tuple = (),
                recurrence_recompute: float = 0) -> "StepTerms":
@@ -117,7 +132,8 @@ class StepTerms:
                  + (PACKED_PLAIN_FIT * attention_output if packed else 0))
         return cls(layers=layers, plain=plain, kept=kept, cached=cached,
                    backward=BACKWARD_FIT * plain_formula + block,
-                   recompute=RECOMPUTE_FIT * working_formula + max(block, recurrence_recompute),
+                   recompute=max(RECOMPUTE_FIT * working_formula + max(block, recurrence_recompute),
+                                 RECOMPUTE_FIT * mlp_formula),
                    loss=loss, loss_chunk=loss_chunk, offload=offload, linear_layers=tuple(linear_layers),
                    recurrence=recurrence if any(linear_layers) else 0)
 
@@ -157,6 +173,6 @@ def zero3_working_bytes(largest_module_params: int) -> int:
     return 2 * 2 * largest_module_params
 
 
-__all__ = ["ALLOCATOR_SLACK", "CONTEXT_BYTES", "HOST_HEADROOM", "HOST_PROCESS_BYTES", "LAUNCHER_BYTES",
+__all__ = ["ALLOCATOR_SLACK", "CONTEXT_BYTES", "DENSE_ONE_GPU_SLACK", "allocator_slack", "HOST_HEADROOM", "HOST_PROCESS_BYTES", "LAUNCHER_BYTES",
            "PINNED_NODE_SHARE", "StepTerms",
            "zero3_working_bytes"]

@@ -50,6 +50,7 @@ class StepMemory:
     process_host: int  # the host process itself (memory_model.HOST_PROCESS_BYTES)
     node_host_share: int = 0  # the node's memory outside the ranks' processes counted per rank (Job.node_share)
     ranks_per_node: int = 1
+    slack_share: float = memory_model.ALLOCATOR_SLACK  # the allocator's slack (memory_model.allocator_slack)
 
     @property
     def gpu(self) -> int:
@@ -57,7 +58,7 @@ class StepMemory:
 
     @property
     def slack(self) -> int:
-        return int(memory_model.ALLOCATOR_SLACK * (self.act_gpu + self.gathered))
+        return int(self.slack_share * (self.act_gpu + self.gathered))
 
     @property
     def gpu_needed(self) -> int:
@@ -185,7 +186,8 @@ class Job:
                                        deltanet=self.deltanet_path)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES,
-                          self.node_share(act_host), self.ranks_per_node)
+                          self.node_share(act_host), self.ranks_per_node,
+                          memory_model.allocator_slack(self.shape, self.sp_size))
 
     def budget(self, limits: Limits) -> tuple[float, float]:
         """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
@@ -195,7 +197,7 @@ class Job:
         state_gpu, state_host = self.state_bytes()
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu
-                  - gathered * (1 + memory_model.ALLOCATOR_SLACK))
+                  - gathered * (1 + memory_model.allocator_slack(self.shape, self.sp_size)))
         # The pinned activations also cost the node PINNED_NODE_SHARE of themselves: what is left buys less of them.
         host = limits.host_bytes - memory_model.HOST_PROCESS_BYTES - self.node_share() - state_host
         return device, host / (1 + memory_model.PINNED_NODE_SHARE)

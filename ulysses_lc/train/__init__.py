@@ -13,6 +13,7 @@
   export_hf_model            consolidated Hugging Face model at the end           (export.py)
   preflight                  every cheap check, before any collective            (preflight.py)
   estimate_memory            predicted GPU and host bytes per rank               (estimate.py)
+  cache_environment, ...     the kernel cache: Triton's and inductor's folders    (kernel_cache.py)
   RunLogger, startup_block   what the run prints                                  (console.py)
   train                      the loop                                             (loop.py)
   dry_run                    checks, plan and predicted memory, nothing loaded    (dry_run.py)

@@ -85,8 +85,9 @@ class TrainConfig:
     keep_on_gpu: int | None = None  # None: from the memory plan (SequenceParallelCausalLM.plan_step)
     recompute_layers: int | None = None  # None: from the memory plan
     cache_attention_layers: int | None = None  # None: from the memory plan
-    attention_head_groups: int | str = "auto"  # the attention kernel over this many kv-head groups
+    attention_head_groups: int | str = "auto"  # the attention kernel over this many head groups
     cache_dir: str | None = None
+    kernel_cache: str | None = None  # None: kernel_cache/ beside the run folder (kernel_cache.py)
     tensorboard: bool = False
     wandb_project: str | None = None  # also report to Weights & Biases, in this project
     export: bool = True
@@ -235,9 +236,14 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="checkpointed layers that keep their attention output so the recompute skips the kernel "
                         "(default: as many as device and host memory allow)")
     p.add_argument("--attention-head-groups", type=_head_groups, default=d.attention_head_groups,
-                   help="run the attention kernel over this many groups of kv heads, one after another, so its "
-                        "backward's working block exists one group at a time (default auto: under 1 GiB)")
+                   help="run the attention kernel over this many head groups, one after another, so its backward's "
+                        "working block exists one group at a time: a divisor of a rank's kv heads, or a multiple of "
+                        "them dividing its query heads (default auto: under 1 GiB)")
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
+    p.add_argument("--kernel-cache", metavar="DIR",
+                   help="keep fla's autotune results and torch.compile's kernels here (TRITON_CACHE_DIR and "
+                        "TORCHINDUCTOR_CACHE_DIR, where not set already), so later runs and resumes skip the first "
+                        "step's minutes of tuning (default: kernel_cache/ beside the run folder, runs/kernel_cache)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=d.tensorboard,
                    help="also log to TensorBoard in --output-dir (--no-tensorboard: not, on a resume of a run that did)")

@@ -146,13 +146,16 @@ def reference_line(run, estimate) -> str:
 
 def startup_block(*, out, run, checked, layout_line: str, num_params: int, kernel: str, plan, estimate, device: str,
                   limits_line: str | None = None, node: str | None = None, differs: str | None = None,
-                  deltanet: str | None = None, threads: str | None = None, data: str | None = None) -> str:
+                  deltanet: str | None = None, threads: str | None = None, data: str | None = None,
+                  kernels: str | None = None) -> str:
     """The run's start-up summary (run: settings.RunSettings): where it writes, layout, model, length and YaRN, kernel, levers and plan, memory
     (per rank, and `node`: per node), and against `limits_line`'s limits (estimate.fit) whether the plan fits.
     device: "gpu" where the plan is a GPU's (the dry run, a GPU run, a CPU run given --gpu-memory-gb); differs: why
     the run's plan is not the dry run's for the same limits; deltanet: what runs the gated DeltaNet layers (the run's
     resolved kernel and why; None: the GPU run's rule, for the dry run); threads: the CPU threads each rank runs
-    (distributed.share_cpu_threads); data: what the data holds and how it trains (data_line, pairs_line)."""
+    (distributed.share_cpu_threads); data: what the data holds and how it trains (data_line, pairs_line); kernels: the
+    kernel cache's line (kernel_cache.kernels_line), whose missing kernels estimate.first_extra_s adds to the first
+    step."""
     yarn = checked.rope or describe_rope_scaling(checked.model_config)
     layers = text_config(checked.model_config).num_hidden_layers
     offloaded = plan.recompute_layers - plan.keep_on_gpu
@@ -180,6 +183,8 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
     ]
     if node is not None:
         lines.append(f"node      {node}")
+    if kernels is not None:
+        lines.append(f"kernels   {kernels}")
     if estimate.fit is not None:
         lines.append(f"limits    {limits_line}: {estimate.fit.verdict()}")
     if device == "gpu":
@@ -189,7 +194,9 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
                      f"{attention_flops_per_s(estimate.job.shape.head_dim if estimate.job else 128) / 1e12:.0f}, "
                      f"matmul {MATMUL_FLOPS_PER_S / 1e12:.0f} TF/s"
                      + ("; packed documents take less" if run.stream.shape.packing else "")
-                     + (f"; {deltanet_line}" if deltanet_line else "") + ")")
+                     + (f"; {deltanet_line}" if deltanet_line else "") + ")"
+                     + (f"; the first step {estimate.step_s + estimate.first_extra_s:,.1f} s, its kernels not in "
+                        "the kernel cache (kernels line)" if estimate.first_extra_s else ""))
     return "\n".join(["ulysses_lc " + ("dry run" if run.dry_run else "run")] + ["  " + line for line in lines])
 
 
@@ -251,12 +258,9 @@ def _count(n: int, thing: str) -> str:
     return f"{n:,} {thing}{'s' * (n != 1)}"
 
 
-def first_step_line(deltanet: str | None, device) -> str | None:
-    """What the first step does besides training, where it takes long: fla autotunes its DeltaNet kernels, torch
-    compiles the flex window kernels and cuDNN picks its attention plans on a GPU. None on a CPU without them."""
-    if (deltanet or "").startswith("fla"):
-        return ("step 1: the first; fla autotunes its gated DeltaNet kernels in it (minutes on a fresh machine; "
-                "Triton's cache keeps the result for the next run)")
+def first_step_line(device) -> str | None:
+    """What the first step does besides training on a GPU whose kernels are all in the kernel cache (the loop names
+    fla's autotuning and flex's compiles where they are not): cuDNN picks its attention plans. None on a CPU."""
     if getattr(device, "type", device) == "cuda":
         return ("step 1: the first; its kernels are chosen and compiled on first use (cuDNN's attention plans, flex's "
                 "window kernels), so it takes longer than the steps after it")

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..parallel.distributed import world_size
+from ..plan.first_step import kernel_kinds
 from ..parallel.layout import ParallelLayout, nodes_of
 from .checkpoint_files import human_bytes
 from .config import TrainConfig
 from .console import layout_line, startup_block
 from .estimate import DoesNotFit, estimate_memory, job_for, limits_for, local_ranks, node_line, sized_params
+from .kernel_cache import cache_vars, cached, kernel_keys, kernels_line
 from .preflight import preflight
 from .settings import RunSettings
 
@@ -51,12 +53,18 @@ def dry_run(cfg: TrainConfig) -> str:
         checked = preflight(run, ranks)  # the YaRN factor of the new length
     seq_len = run.stream.seq_len
     plan = job.plan(seq_len, limits).with_overrides(*run.plan.overrides)
-    estimate = estimate_memory(run, checked, plan, num_params, limits, per_node)
+    # What the first step tunes or compiles on the GPUs, and what of it an earlier run left in the kernel cache there.
+    folder = run.output.kernel_cache
+    keys = kernel_keys(kernel_kinds(job.shape, job.deltanet_path, seq_len), job.shape, seq_len, checked.sp_size)
+    found = cached(folder, keys, gpu=None)
+    estimate = estimate_memory(run, checked, plan, num_params, limits, per_node,
+                               uncached=tuple(kind for kind in keys if kind not in found))
     layout = ParallelLayout(checked.world_size, checked.sp_size, nodes=nodes_of(checked.world_size, per_node),
                             placement=run.parallel.placement)
     block = startup_block(out=None, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
                           num_params=num_params, kernel=run.model.kernel, plan=plan, estimate=estimate, device="gpu",
-                          limits_line=limits_line, node=node_line(estimate, per_node))
+                          limits_line=limits_line, node=node_line(estimate, per_node),
+                          kernels=kernels_line(folder, keys, found, cache_vars(folder)))
     text = "\n".join([block] + ([f"  config    {checked.config_note}"] if checked.config_note else [])
                      + ([f"  {longest_line}"] if longest_line else [])
                      + [f"  {checkpoint_line(run.output.keep_checkpoints, checked, num_params)}", "  nothing was loaded"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..parallel.distributed import local_world_size
 from ..plan.memory import optimizer_reserved_bytes
+from ..plan.first_step import first_step_extra_seconds
 from ..plan.memory_model import HOST_HEADROOM
 from ..shape import ModelShape
 from ..plan.sizing import GB, Fit, Job, Limits, StepMemory
@@ -46,6 +47,7 @@ class MemoryEstimate:
     step_s: float
     fit: Fit | None = None
     job: Job | None = None
+    first_extra_s: float = 0.0  # what the first step adds: kernels not in the kernel cache (plan/first_step.py)
 
     def check(self) -> None:
         """DoesNotFit unless the plan fits its limits (nothing to check without them): what is over, by how much,
@@ -141,13 +143,14 @@ def limits_for(plan, world_size: int, gpu_bytes: float | None = None, ranks_here
 
 
 def estimate_memory(run, checked, plan, num_params: int, limits: Limits | None = None,
-                    ranks_per_node: int = 1) -> MemoryEstimate:
-    """The plan's predicted memory per rank and step time, and against `limits` (when given) whether it fits."""
+                    ranks_per_node: int = 1, uncached: tuple[str, ...] = ()) -> MemoryEstimate:
+    """The plan's predicted memory per rank and step time, and against `limits` (when given) whether it fits.
+    uncached: the kinds of kernel the first step tunes or compiles for want of them in the kernel cache."""
     job = job_for(run, checked, num_params, ranks_per_node)
     seq_len = run.stream.seq_len
     memory = job.predict(seq_len, plan)
     fit = Fit(seq_len, plan, memory, limits) if limits is not None else None
-    return MemoryEstimate(memory, job.step_seconds(seq_len, plan), fit, job)
+    return MemoryEstimate(memory, job.step_seconds(seq_len, plan), fit, job, first_step_extra_seconds(uncached))
 
 
 def node_beside_bytes() -> int:

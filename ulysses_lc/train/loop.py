@@ -26,7 +26,8 @@ import torch
 
 from ..data import DataRepeats, build_token_stream, check_source, pad_token_id
 from ..parallel.distributed import init_distributed, seed_step, share_cpu_threads, world_size
-from ..parallel.layout import ParallelLayout
+from ..parallel.layout import ParallelLayout, dp_mean, dp_sum
+from ..plan.first_step import WHAT
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
 from ..objectives.loss import step_num_items
@@ -45,6 +46,7 @@ from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_
 from .evaluation import RunEvaluation
 from .export import EXPORT_DIR, export_hf_model
 from .files import agree_on_run_dir, folder_owner
+from .kernel_cache import RunKernels, cache_environment
 from .loading import load_model, load_tokenizer
 from . import job_watch
 from .preference_step import (DPOStep, build_pair_stream, load_reference, mean_metrics, pairs_in_step,
@@ -72,33 +74,37 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
     # The flags resolved once (on --resume over the saved run's), split into each part's settings (settings.py); the
     # timeouts first, for the watch below, which starts even when the flags are refused.
     timeouts = WatchSettings(cfg.node_timeout_s, cfg.stop_grace_s)
-    run = checked = failure = None
-    try:
-        run = RunSettings(cfg)
-        checked = preflight(run, world_size())
-    except Exception as e:  # noqa: BLE001 - a rank whose checks failed still joins the agreement below
-        if world_size() == 1:
-            raise  # nobody to agree with, and no process group to start
-        failure = e
-    init_distributed()  # any launcher, or one process under plain python
-    # Every rank's checks agreed (one failed on one node's disk fails every rank, naming it), then the watch that
-    # ends every node's ranks when one fails, for as long as the run lasts. init_distributed bound this rank's GPU,
-    # on which NCCL runs the agreement's object collective.
-    watch = job_watch.start(failure, node_timeout_s=timeouts.node_timeout_s, stop_grace_s=timeouts.stop_grace_s)
-    try:
-        with ExitStack() as held:  # the run folder's lock, from before any work to the end (run_lock.py)
-            records = _train(run, checked, on_step, held=held, stop=watch.stop_request)
-    except Stopped:
-        watch.stop(clean=True)  # every rank stopped at the same step: none is a peer gone without a report
-        raise
-    except BaseException:
-        watch.stop(clean=False)
-        raise
-    watch.stop(clean=True)
+    run = checked = failure = cache_vars = None
+    # The kernel cache's variables from before preflight (the model config's checks import torch's compiler, which
+    # reads them) to the run's end (kernel_cache.py).
+    with ExitStack() as environment:
+        try:
+            run = RunSettings(cfg)
+            cache_vars = environment.enter_context(cache_environment(run.output.kernel_cache))
+            checked = preflight(run, world_size())
+        except Exception as e:  # noqa: BLE001 - a rank whose checks failed still joins the agreement below
+            if world_size() == 1:
+                raise  # nobody to agree with, and no process group to start
+            failure = e
+        init_distributed()  # any launcher, or one process under plain python
+        # Every rank's checks agreed (one failed on one node's disk fails every rank, naming it), then the watch that
+        # ends every node's ranks when one fails, for as long as the run lasts. init_distributed bound this rank's
+        # GPU, on which NCCL runs the agreement's object collective.
+        watch = job_watch.start(failure, node_timeout_s=timeouts.node_timeout_s, stop_grace_s=timeouts.stop_grace_s)
+        try:
+            with ExitStack() as held:  # the run folder's lock, from before any work to the end (run_lock.py)
+                records = _train(run, checked, on_step, held=held, stop=watch.stop_request, cache_vars=cache_vars)
+        except Stopped:
+            watch.stop(clean=True)  # every rank stopped at the same step: none is a peer gone without a report
+            raise
+        except BaseException:
+            watch.stop(clean=False)
+            raise
+        watch.stop(clean=True)
     return records
 
 
-def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopRequest) -> list[dict]:
+def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopRequest, cache_vars: dict) -> list[dict]:
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
@@ -192,14 +198,16 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     plan = model.plan_step(seq_len, device, packed=stream_settings.packed_documents,
                            long_documents=stream_settings.long_documents, **reserve).with_overrides(*run.plan.overrides)
     model.use_plan(plan)
-    estimate = estimate_memory(run, checked, plan, num_params, limits, ranks_here)
+    kernels = RunKernels.build(run.output.kernel_cache, cache_vars, job.shape, seq_len, model.deltanet_kernel, layout,
+                               device)
+    estimate = estimate_memory(run, checked, plan, num_params, limits, ranks_here, uncached=kernels.uncached)
     dry = job.plan(seq_len, limits).with_overrides(*run.plan.overrides) if limits else plan
     if rank0:
         logger.info(startup_block(
             out=out, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
             num_params=num_params, kernel=kernel_named(model_settings.kernel, model.attention.kernel), plan=plan,
             estimate=estimate, device="gpu" if limits else "cpu", limits_line=limits_line, deltanet=model.deltanet,
-            threads=threads, data=data,
+            threads=threads, data=data, kernels=kernels.line(),
             node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
                                              "(another process on this GPU?), which the dry run's plan needs"))
@@ -254,7 +262,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
         if evaluation is not None and run.eval.at_start:
             evaluation(engine, start_step, step_logger)
         for step in range(start_step, steps):
-            if step == start_step and rank0 and (first := first_step_line(model.deltanet, device)):
+            if step == start_step and rank0 and kernels.uncached:
+                logger.info("step %d: the first; %s in it, about %.0f s, once: kept in %s", step + 1,
+                            " and ".join(WHAT[kind] for kind in kernels.uncached), estimate.first_extra_s,
+                            kernels.folder)
+            elif step == start_step and rank0 and (first := first_step_line(device)):
                 logger.info(first.replace("step 1:", f"step {step + 1}:"))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -296,11 +308,13 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 losses.append(loss.detach())
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
-            trained, documents, padding = _dp_sum([trained, documents, padding], layout)
+            trained, documents, padding = dp_sum([trained, documents, padding], layout)
             # The host syncs of the step: the logged numbers (SFT: the token mean; DPO: the pair mean).
-            loss_value = _dp_mean(torch.stack(losses).mean(), layout)
-            aux_value = _dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
+            loss_value = dp_mean(torch.stack(losses).mean(), layout)
+            aux_value = dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
             step_time = time.perf_counter() - t0
+            if step == start_step:
+                kernels.first_step_done(step_time)
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
             failed = None
@@ -375,22 +389,3 @@ def _start_wandb(project: str, flags: TrainConfig, out: Path):
     # One W&B run per run directory: a resumed run continues it (its id is the directory's name).
     run_id = re.sub(r"[^\w-]", "-", out.name)  # W&B ids take letters, digits, '-' and '_'
     return wandb.init(project=project, name=out.name, id=run_id, resume="allow", dir=str(out), config=asdict(flags))
-
-
-def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
-    """Counts of the step (labels trained, documents, padding) over all DP groups, in one all-reduce (each SP group
-    holds its own sequences' counts)."""
-    device = next(c for c in counts if isinstance(c, torch.Tensor)).device
-    total = torch.stack([torch.as_tensor(c, device=device, dtype=torch.int64) for c in counts])
-    if layout.dp_size > 1:
-        torch.distributed.all_reduce(total, group=layout.dp_group)
-    return total.tolist()
-
-
-def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
-    """The step's loss averaged over DP groups (each SP group holds the same value on its ranks)."""
-    if layout.dp_size > 1:
-        loss = loss.clone()
-        torch.distributed.all_reduce(loss, group=layout.dp_group)
-        loss /= layout.dp_size
-    return float(loss)

@@ -52,6 +52,7 @@ APPLIED = {
     "max_weight_growth": "the divergence guard's bound from here",
     "save_every": "checkpoints from here", "keep_checkpoints": "checkpoints kept from here",
     "cache_dir": "the token cache folder (the tokens are the same)",
+    "kernel_cache": "the kernel cache folder (the same kernels; tuned again where it lacks them)",
     "tensorboard": "TensorBoard logging from here", "wandb_project": "W&B reporting from here",
     "export": "the export at the end", "export_merged": "the export at the end",
     "node_timeout_s": "the failure watch", "stop_grace_s": "how long a stop may take",

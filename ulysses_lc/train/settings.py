@@ -13,7 +13,7 @@ model config with its RoPE) is resolved next, by preflight.py, into `Checked`.
   optim     OptimSettings   the DeepSpeed config, lr and its schedule, weight decay, steps, the divergence guard
   objective ObjectiveSettings  sft, or dpo with its loss and reference
   plan      PlanSettings    the memory plan's overrides and limits; the dry run's world
-  output    OutputSettings  run folder, resume, checkpoints, export, logging
+  output    OutputSettings  run folder, resume, checkpoints, export, logging, the kernel cache
   watch     WatchSettings   failure and stop timeouts (job_watch.py, stop.py)
   eval      EvalSettings    the evaluation at --seq-len, or None (evaluation.py)
 """
@@ -29,6 +29,7 @@ from ..data.cache import default_cache_dir
 from ..data.settings import DataSettings
 from ..mixers.kernels import DOCUMENT_VARLEN_TOKENS
 from .config import TrainConfig, as_check_failed
+from .kernel_cache import kernel_cache_dir
 from .resume import resolve
 from .run_state import find_latest_run
 
@@ -135,6 +136,7 @@ class OutputSettings:
     export_merged: bool
     tensorboard: bool
     wandb_project: str | None
+    kernel_cache: Path | None = None  # Triton's and inductor's caches (kernel_cache.py)
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class RunSettings:
                                  flags.gpu_memory_gb, flags.host_memory_gb, flags.world_size, flags.gpus_per_node,
                                  flags.max_seq_len)
         self.output = OutputSettings(folder, flags.resume, flags.save_every, flags.keep_checkpoints, flags.export,
-                                     flags.export_merged, flags.tensorboard, flags.wandb_project)
+                                     flags.export_merged, flags.tensorboard, flags.wandb_project,
+                                     kernel_cache_dir(flags.kernel_cache, folder))
         self.watch = WatchSettings(flags.node_timeout_s, flags.stop_grace_s)
         self.eval = None  # no evaluation
         if flags.evaluates:

@@ -1,0 +1,61 @@
+"""What a run's first step costs beyond a steady one where its kernels are not in the kernel cache yet
+(train/kernel_cache.py): fla's autotuning of the gated DeltaNet kernels, torch.compile's build of flex attention
+for the window layers.
+
+  kernel_kinds(shape, deltanet_path, seq_len)   which of the two a model's step runs on a GPU
+  first_step_extra_seconds(kinds)              their one-time cost, from the measured constants below
+
+fla autotunes once per kernel and autotune key (its keys are heads, head dims and the chunk size, never the length:
+`T` is do_not_specialize), and every gated DeltaNet layer of a model has the same shape, so the cost is one per run,
+not per layer or length. flex compiles once per sequence length (flex_window.py: dynamic=False) and per window,
+forward and backward.
+"""
+
+from __future__ import annotations
+
+from .deltanet_time import deltanet_path as _deltanet_path
+
+# fla's autotuning on a fresh machine: the Qwen3.5-0.8B shape (18 gated DeltaNet layers of 24) at 262,144 tokens on
+# one H200, fla-core 0.6.0 over Triton 3.7.1: its first step took 204.9 s (issue 43) against 21.85 s a steady step
+# (benchmarks/results/2026-12-02/hybrid_qwen3.5-0.8b-24layers_fla_steps.json, BENCHMARKS.md "32k, 256k and
+# 1,007,616 tokens on fla"): 183 s. First 8k steps on fresh machines took 153 to 188 s (the same section's 8k
+# warm-ups, hybrid_qwen3.5-0.8b-24layers_fla_first_autotune.json), so the cost hardly depends on the length.
+FLA_AUTOTUNE_S = 204.9 - 21.85
+# flex attention's compile for one length: the gpt-oss-20b shape (4 of its 24 layers, windows of 128 with sinks) at
+# 262,144 tokens on one H200: 21.29 s with the compile inside the timed step (2026-12-02) against 16.38 s compiled
+# before it (benchmarks/results/2026-12-03/gpt_oss/gpt_oss_steps.log; BENCHMARKS.md "the gpt-oss step back under
+# its earlier time"): 4.9 s.
+FLEX_COMPILE_S = 21.29 - 16.38
+FIRST_STEP_S = {"fla": FLA_AUTOTUNE_S, "flex": FLEX_COMPILE_S}
+WHAT = {"fla": "fla's autotuning of its gated DeltaNet kernels", "flex": "flex attention's compile for this length"}
+
+
+def kernel_kinds(shape, deltanet: str = "auto", seq_len: int | None = None) -> tuple[str, ...]:
+    """Which kernels of a step of `shape` (a shape.ModelShape) tune or compile on first use on a GPU: "fla" where its
+    gated DeltaNet layers take fla (`deltanet`: a path, or "auto" for deltanet_time's rule), "flex" where a window
+    layer takes flex attention (window_attention's pick on a GPU; a window as long as `seq_len` is a causal call)."""
+    kinds = []
+    if any(shape.linear_layers) and (deltanet if deltanet in ("fla", "torch") else _deltanet_path(deltanet)[0]) == "fla":
+        kinds.append("fla")
+    if _flex_windows(shape, seq_len):
+        kinds.append("flex")
+    return tuple(kinds)
+
+
+def _flex_windows(shape, seq_len: int | None) -> bool:
+    import torch
+
+    from ..mixers.window_attention import resolve_how
+
+    linear = shape.linear_layers or (False,) * shape.layers
+    return any(w is not None and not lin and (seq_len is None or w < seq_len)
+               and resolve_how("auto", torch.device("cuda"), w) == "flex"
+               for w, lin in zip(shape.layer_windows or (), linear))
+
+
+def first_step_extra_seconds(kinds) -> float:
+    """Seconds the first step adds to a steady one for the kernels `kinds` that are not cached."""
+    return sum(FIRST_STEP_S[kind] for kind in kinds)
+
+
+__all__ = ["FIRST_STEP_S", "FLA_AUTOTUNE_S", "FLEX_COMPILE_S", "first_step_extra_seconds", "kernel_kinds"]
