@@ -73,6 +73,8 @@ def test_trainer_sp2_equals_sp1(tmp_path):
             assert abs(a - b) <= LOSS_RTOL * abs(b), (losses, single[0])
         assert_grads_close(grads, single[1])
     assert any(abs(single[0][0] - p) <= LOSS_RTOL * p for p in plain_losses())
+    # save_strategy "no": the folder the Trainer made for output_dir holds nothing, and is gone (issue 42)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], sorted(tmp_path.iterdir())
 
 
 def test_trainer_evaluate_is_the_plain_loss(tmp_path):

@@ -38,6 +38,7 @@ VERDICTS = {
     "Qwen/Qwen3.5-35B-A3B": DOES_NOT_FIT,
     "deepseek-ai/DeepSeek-V3-0324": DOES_NOT_FIT,
     "google/gemma-3-1b-it": "cannot split num_attention_heads=4 / num_key_value_heads=1",  # sp 8 > 4 query heads
+    "google/gemma-3-27b-it": FITS,  # its language model only: the vision tower stays frozen (composite.py)
     "meta-llama/Llama-3.1-8B": "llama3 has no well-defined longer form",  # covers 131,072 tokens
     "meta-llama/Llama-3.2-3B": "llama3 has no well-defined longer form",
     "meta-llama/Llama-3.3-70B-Instruct": "llama3 has no well-defined longer form",

@@ -119,7 +119,8 @@ def test_a_global_batch_that_cannot_be_held_is_refused_or_stated(saved_run, monk
     --global-batch 4; with it, the run resumes and its start-up line says what changes."""
     tmp, _ = saved_run
     monkeypatch.delenv("RANK", raising=False)
-    cfg = _config(tmp, output_dir=str(tmp / "full"), resume=True)  # `latest`: step 4, 8 sequences consumed
+    # `latest`: step 4, 8 sequences consumed; --steps past it (a resume of a run that reached its steps trains nothing)
+    cfg = _config(tmp, output_dir=str(tmp / "full"), resume=True, steps=STEPS + 2)
     held = preflight(RunSettings(replace(cfg, sp_size=2)), 2)  # the layout that saved it: DeepSpeed's own load, ga 2
     assert (held.global_batch, held.ds_config["gradient_accumulation_steps"], held.resharded) == (2, 2, False)
     with pytest.raises(CheckFailed, match=r"the run trained 2 sequences per optimizer step, which dp_size=4 \(4 ranks "
@@ -146,7 +147,7 @@ def test_missing_shards_of_the_saved_ranks_are_named_with_the_fix(saved_run, mon
     tag = run / "checkpoints" / f"step{STEPS}"
     for f in tag.glob("zero_pp_rank_*_optim_states.pt"):  # named as a bf16 run's (GPU runs) names them
         f.rename(tag / f"bf16_{f.name}")
-    cfg = _config(tmp, output_dir=str(run), resume=True, sp_size=4)
+    cfg = _config(tmp, output_dir=str(run), resume=True, sp_size=4, steps=STEPS + 2)
     preflight(RunSettings(cfg), 4)  # every old rank's files are there
     for f in tag.glob("*zero_pp_rank_1_*"):
         f.unlink()

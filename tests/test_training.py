@@ -153,7 +153,7 @@ EXPECTED = {
     "output_dir_taken": "pass --resume",
     "resume_nothing": "drop --resume",
     "model_offline": "--model tiny",
-    "model_bad_name": "--model tiny",
+    "model_bad_name": "no such folder",  # two separators: a folder, not a hub name (loading.looks_local)
 }
 
 

@@ -40,7 +40,7 @@ Sources (one string):
 Dataset rows: see `ulysses_lc.data.samples` for the columns read (text, messages, prompt/completion).
 """
 
-from .build import build_token_stream, check_source
+from .build import DataRepeats, build_token_stream, check_source
 from .cache import CACHE_DTYPE, CACHE_FORMAT_VERSION, default_cache_dir
 from .sources import (
     PG19_HUB_ID,
@@ -69,6 +69,7 @@ __all__ = [
     "BATCH_CHARS",
     "CACHE_DTYPE",
     "CACHE_FORMAT_VERSION",
+    "DataRepeats",
     "DataSettings",
     "DEFAULT_CHUNK_CHARS",
     "PG19_HUB_ID",

@@ -54,8 +54,9 @@ def build_token_stream(
         'org/name[:split]', local .jsonl/.json/.parquet/.arrow/.csv files or a folder of them).
     tokenizer: a Hugging Face tokenizer with an EOS token (EOS ends each sample / joins documents);
         for .npy/.bin sources it may be None, else it is used to check the ids fit its vocabulary.
-    text_column: the column of plain text (None: 'messages', then 'prompt' + 'completion', then
-        'text', whichever the dataset has; see `ulysses_lc.data.samples`).
+    text_column: the column of plain text, or of conversations (lists of {role, content}: read as 'messages')
+        (None: 'messages', then 'prompt' + 'completion', then 'text', whichever the dataset has; see
+        `ulysses_lc.data.samples`).
     data_config, data_revision: a hub dataset's config name and revision.
     loss_on: "completion" (train completions / assistant turns only) or "all"; None: completion for
         chat and prompt/completion data, all for plain text.
@@ -90,7 +91,8 @@ def build_token_stream(
         stream_id = digest({"source": identity})
         used = tokens[:want]
         # Hashed only when a checkpoint is written or resumed (reading every id the run uses).
-        stream = TokenStream(used, seq_len, stream_id=stream_id, content=lambda: token_chain(used))
+        stream = TokenStream(used, seq_len, stream_id=stream_id, content=lambda: token_chain(used),
+                             stats={"sample_format": "token ids"})
         return _hold_out(stream, run_steps, held_out, source)
 
     if tokenizer is None:
@@ -142,7 +144,7 @@ def build_token_stream(
     if "doc_lengths" in arrays:
         documents = WindowDocuments(arrays["doc_lengths"], arrays["doc_starts"], arrays["padding"])
     stream = TokenStream(tokens, seq_len, stream_id=stream_id, cache_hit=hit, cache_path=paths.tokens,
-                         mask=arrays.get("mask"), documents=documents, content=meta["content"])
+                         mask=arrays.get("mask"), documents=documents, content=meta["content"], stats=meta)
     return _hold_out(stream, run_steps, held_out, source)
 
 
@@ -176,6 +178,7 @@ def check_source(
         return {"kind": src.kind, "format": "text", "loss_on": resolve_loss_on(loss_on, "text"), "columns": ["text"]}
     first = list(islice(iter_rows(src), rows))
     fmt, columns = _format_of(src, first[:1], text_column)
+    first = list(_as_messages(first, fmt, text_column))
     resolved = resolve_loss_on(loss_on, fmt)
     if tokenizer is not None:
         for index, ids, _ in iter_samples(iter(first), tokenizer, fmt, resolved, text_column=text_column):
@@ -220,7 +223,22 @@ def _format_of(src: Source, first: list[dict], text_column: str | None) -> tuple
             f"the source {src.location} has no rows (split {src.split!r}); pass a dataset with data, or another split"
         )
     columns = list(first[0])
-    return detect_format(columns, text_column), columns
+    fmt = detect_format(columns, text_column)
+    if fmt == "text" and text_column is not None and _is_conversation(first[0][text_column]):
+        fmt = "messages"  # a chat column under another name (`conversation`): read as messages, not refused as text
+    return fmt, columns
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                           for m in value)
+
+
+def _as_messages(rows, fmt: str, text_column: str | None):
+    """Rows whose `text_column` holds conversations, with them under 'messages' (where samples.render reads them)."""
+    if fmt != "messages" or text_column is None:
+        return rows
+    return ({**row, "messages": row[text_column]} for row in rows)
 
 
 def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_chars, progress):
@@ -231,7 +249,7 @@ def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_c
     first = list(islice(rows, 1))
     fmt, columns = _format_of(src, first, settings["text_column"])
     loss_on = resolve_loss_on(settings["loss_on"], fmt)
-    rows = chain(first, rows)
+    rows = _as_messages(chain(first, rows), fmt, settings["text_column"])
     want = seq_len * num_steps
     stats = {"requested_tokens": want, "sample_format": fmt, "loss_on_resolved": loss_on, "columns": columns}
     if fmt == "text" and loss_on == "all" and not settings["packing"]:
@@ -249,7 +267,7 @@ def _build_samples(src: Source, tokenizer, seq_len, num_steps, settings, chunk_c
             arrays = {"tokens": packed.tokens, "mask": packed.mask, "doc_lengths": packed.doc_lengths,
                       "doc_starts": packed.doc_starts, "padding": packed.padding}
             padding = int(packed.padding.sum())
-            stats.update(windows=len(packed.padding), padding_tokens=padding,
+            stats.update(windows=len(packed.padding), padding_tokens=padding, split_samples=packed.split_samples,
                          documents=int(len(packed.doc_lengths) - np.count_nonzero(packed.padding)))
         else:
             arrays = _join(samples, want, bar)
@@ -276,6 +294,11 @@ def _join(samples, want: int, bar) -> dict:
     return {"tokens": tokens, "mask": mask, "documents": count}
 
 
+class DataRepeats(UserWarning):
+    """The source holds fewer tokens than the run asked for: its windows repeat (the main job says so in its data
+    line instead)."""
+
+
 def _hold_out(stream: TokenStream, run_steps: int, held_out: int, source) -> TokenStream:
     """The run's stream, its last `held_out` windows split off as `held_out` (see build_token_stream)."""
     want = stream.seq_len * run_steps
@@ -284,6 +307,7 @@ def _hold_out(stream: TokenStream, run_steps: int, held_out: int, source) -> Tok
             warnings.warn(
                 f"the source has {stream.num_tokens:,} tokens, fewer than the {want:,} the run asked for: "
                 f"the data repeats after {len(stream)} steps",
+                DataRepeats,
                 stacklevel=3,
             )
         return stream

@@ -56,6 +56,7 @@ class PackedWindows:
     doc_lengths: np.ndarray  # uint32 [segments]: window w's are doc_lengths[doc_starts[w]:doc_starts[w + 1]]
     doc_starts: np.ndarray  # int64 [num_windows + 1]
     padding: np.ndarray  # uint32 [num_windows]: padding tokens (the last segment when > 0)
+    split_samples: int = 0  # samples longer than seq_len cut into pieces (long_samples="split")
 
 
 def pack(
@@ -76,11 +77,12 @@ def pack(
         raise ValueError(f"long_samples={long_samples!r}; use one of {', '.join(LONG_SAMPLES)}")
     windows: list[list[tuple[np.ndarray, np.ndarray]]] = []
     buffer: list[tuple[np.ndarray, np.ndarray]] = []
-    buffered = 0
+    buffered = split = 0
     exhausted = False
     samples = iter(samples)
     while len(windows) < num_windows and not exhausted:
         for index, ids, mask in samples:
+            split += len(ids) > seq_len
             for piece in _pieces(index, ids, mask, seq_len, long_samples):
                 buffer.append(piece)
                 buffered += len(piece[0])
@@ -98,7 +100,9 @@ def pack(
                 on_window(sum(len(buffer[i][0]) for i in b))
         carried = [] if keep is bins else [buffer[i] for i in bins[-1]]
         buffer, buffered = carried, sum(len(ids) for ids, _ in carried)
-    return _assemble(windows[:num_windows], seq_len, pad_id)
+    packed = _assemble(windows[:num_windows], seq_len, pad_id)
+    packed.split_samples = split
+    return packed
 
 
 def refuse_if_long(index: int, length: int, seq_len: int, long_samples: str) -> None:

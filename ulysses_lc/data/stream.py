@@ -68,6 +68,8 @@ class TokenStream:
     documents: the packed windows' document lengths (None: not packed).
     content: the chain of digests of what the stream was built from (`content.ContentChain`), or a callable that
         computes it when first needed; a checkpoint keeps it and a resume compares (None: not known).
+    stats: what the build found, as its cache's meta file records it (sample_format, loss_on_resolved, documents,
+        windows, padding_tokens, split_samples, requested_tokens; each absent where it does not apply).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class TokenStream:
         mask: np.ndarray | None = None,
         documents: WindowDocuments | None = None,
         content=None,
+        stats: dict | None = None,
     ):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
@@ -97,6 +100,7 @@ class TokenStream:
         self.mask = mask
         self.documents = documents
         self._content = content
+        self.stats = stats or {}
         self.held_out = None  # build_token_stream(..., held_out=k): the k windows read after these, for evaluation
 
     @property
@@ -153,7 +157,8 @@ class TokenStream:
             parts.append(TokenStream(self.tokens[span], self.seq_len, stream_id=self.stream_id + suffix,
                                      cache_hit=self.cache_hit, cache_path=self.cache_path,
                                      mask=None if self.mask is None else self.mask[span], documents=docs,
-                                     content=self._content if not suffix else None))
+                                     content=self._content if not suffix else None,
+                                     stats=self.stats if not suffix else None))
         return parts[0], parts[1]
 
     def _window(self, step: int) -> slice:

@@ -301,8 +301,8 @@ def explicit_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str, groups: int
             continue
         if sink is not None:
             sink.append((backend, *got[0]))
-        if (key, groups) not in _LOGGED:
-            _LOGGED.add((key, groups))
+        if (backend, groups) not in _LOGGED:  # once a process: the start-up probe's shape is not the step's
+            _LOGGED.add((backend, groups))
             logger.info("attention: %s kernel called directly, %d head group(s)", backend, groups)
         return out
     return None

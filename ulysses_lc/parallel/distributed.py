@@ -300,6 +300,25 @@ def local_world_size() -> int | None:
     return int(launched["LOCAL_WORLD_SIZE"]) if launched else None
 
 
+def share_cpu_threads() -> str:
+    """Give this rank its share of the node's cores as CPU threads (torch's intra-op pool, and OMP_NUM_THREADS for
+    the processes it starts), where OMP_NUM_THREADS is unset; returns the start-up block's line.
+
+    torch takes every core for each process, so N ranks on a node ran N x cores threads: `deepspeed --num_gpus 2` on
+    2 CPU cores took 212-297 s for the run that takes 52 s with one thread each (issue 42). torchrun sets
+    OMP_NUM_THREADS=1 itself for more than one rank; a value set by the user or launcher is kept."""
+    given = os.environ.get("OMP_NUM_THREADS")
+    if given:
+        return f"{torch.get_num_threads()} per rank (OMP_NUM_THREADS={given}, as set)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = local_world_size() or 1
+    threads = max(1, cores // ranks)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return (f"{threads} per rank ({cores} core{'s' * (cores > 1)} / {ranks} rank{'s' * (ranks > 1)} on this node; "
+            "set OMP_NUM_THREADS to choose)")
+
+
 def seed_step(seed: int, rank: int, step: int, micro: int = 0) -> None:
     """Seed every torch RNG for one micro step of one rank from (seed, rank, step, micro).
 

@@ -1,12 +1,17 @@
 """DeepSpeed config checks: refuse settings under which sequence-parallel training would be silently wrong.
 
-`check_deepspeed_config` checks the batch and ZeRO keys against the layout; `resolve_precision` and
-`check_optimizer_block` fill the "auto" values the training path owns (precision, lr, weight decay).
+`check_deepspeed_config` checks every key against DeepSpeed's own schema (`check_known_keys`) and the batch and
+ZeRO keys against the layout; `resolve_precision` and `check_optimizer_block` fill the "auto" values the training
+path owns (precision, lr, weight decay).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import importlib
 import json
+import typing
 from pathlib import Path
 
 from .layout import ParallelLayout
@@ -57,12 +62,140 @@ def load_deepspeed_config(config: str | Path | dict) -> dict:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON: {e}") from e
 
 
+# The blocks DeepSpeed reads through its pydantic models (extra="forbid": an unknown key is refused, but only when
+# deepspeed.initialize runs, after the weights load). Checked here with the same models, before any heavy work.
+PYDANTIC_BLOCKS = {
+    "zero_optimization": "deepspeed.runtime.zero.config:DeepSpeedZeroConfig",
+    "tensorboard": "deepspeed.monitor.config:TensorBoardConfig",
+    "wandb": "deepspeed.monitor.config:WandbConfig",
+    "csv_monitor": "deepspeed.monitor.config:CSVConfig",
+    "comet": "deepspeed.monitor.config:CometConfig",
+    "compile": "deepspeed.runtime.compiler:CompileConfig",
+}
+OUR_KEYS = ("sequence_parallel_size",)  # read by check_deepspeed_config (and DeepSpeed's zero.Init without an mpu)
+
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_top_level_keys() -> frozenset[str] | None:
+    """The top-level keys DeepSpeed reads: those its DeepSpeedConfig looks up while parsing a minimal config (every
+    block is asked for, present or not), with the names in deepspeed.runtime.constants. None where that parse fails
+    (a DeepSpeed whose config class changed): top-level keys then go unchecked rather than refused wrongly."""
+    import deepspeed.runtime.constants as constants
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    seen = {value for name, value in vars(constants).items() if name.isupper() and isinstance(value, str)}
+
+    class Keys:  # DeepSpeed asks `key in param_dict.keys()` as often as param_dict.get(key)
+        def __init__(self, d):
+            self.d = d
+
+        def __contains__(self, key):
+            seen.add(key)
+            return key in self.d
+
+        def __iter__(self):
+            return iter(self.d)
+
+    class Reads(dict):
+        def get(self, key, *default):
+            seen.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            seen.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            seen.add(key)
+            return super().__contains__(key)
+
+        def keys(self):
+            return Keys(dict(self))
+
+    class OneRank:  # the mpu keeps DeepSpeedConfig off torch.distributed
+        def get_data_parallel_world_size(self):
+            return 1
+
+    minimal = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+               "zero_optimization": {"stage": 3}}
+    try:
+        DeepSpeedConfig(Reads(minimal), mpu=OneRank())
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    return frozenset(seen | set(OUR_KEYS))
+
+
+def _model_keys(model) -> list[str]:
+    """A pydantic model's field names and their aliases (DeepSpeed's stage3_* keys are aliases)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys += [name] + ([field.alias] if field.alias else [])
+    return keys
+
+
+def _nested_model(model, path: tuple):
+    """The pydantic model that holds the key at the end of `path` inside `model` (offload_param's model for
+    ("offload_param", "devic")); None where a step is no model."""
+    for key in path[:-1]:
+        field = next((f for n, f in model.model_fields.items() if key in (n, f.alias)), None)
+        if field is None:
+            return None
+        models = [t for t in (field.annotation, *typing.get_args(field.annotation))
+                  if isinstance(t, type) and hasattr(t, "model_fields")]
+        if not models:
+            return None
+        model = models[0]
+    return model
+
+
+def _unknown(key: str, path: str, known, then: str) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else "see DeepSpeed's config documentation for the keys it reads"
+    return f"{path!r} is no key DeepSpeed knows ({then}); {hint}"
+
+
+def check_known_keys(config: dict) -> None:
+    """ValueError naming each key of `config` that DeepSpeed does not know and the closest one it does
+    (`zero_optimisation` -> `zero_optimization`, `zero_optimization.overlap_comms` -> `overlap_comm`), and any value
+    DeepSpeed's pydantic models refuse, before any weight loads."""
+    import pydantic
+
+    problems = []
+    known = deepspeed_top_level_keys()
+    if known is not None:
+        # DeepSpeed skips an unknown top-level key: `zero_optimisation` trained on ZeRO stage 0.
+        problems += [_unknown(key, key, known, "it would be ignored") for key in config if key not in known]
+    for block, where in PYDANTIC_BLOCKS.items():
+        value = config.get(block)
+        if not isinstance(value, dict):
+            continue
+        module, name = where.split(":")
+        try:
+            model = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # another DeepSpeed version: its engine checks the block itself
+            continue
+        try:
+            model(**value)
+        except pydantic.ValidationError as e:
+            for error in e.errors():
+                path = ".".join(map(str, (block, *error["loc"])))
+                if error["type"] == "extra_forbidden":
+                    inner = _nested_model(model, error["loc"])
+                    problems.append(_unknown(str(error["loc"][-1]), path, _model_keys(inner) if inner else (),
+                                             "its engine would refuse it after the weights load"))
+                else:
+                    problems.append(f"{path!r}: {error['msg']} (DeepSpeed's {name})")
+    if problems:
+        raise ValueError("the DeepSpeed config: " + "; ".join(problems))
+
+
 def check_deepspeed_config(config: dict, layout: ParallelLayout, gradient_accumulation_steps: int | None = None) -> dict:
     """Check (and complete) a DeepSpeed config for one sequence per micro step on `layout`.
 
-    Fills train_micro_batch_size_per_gpu=1 and derives train_batch_size when absent ("auto" counts as absent);
-    raises ValueError when the config contradicts the run.
+    Refuses keys DeepSpeed does not know (`check_known_keys`); fills train_micro_batch_size_per_gpu=1 and derives
+    train_batch_size when absent ("auto" counts as absent); raises ValueError when the config contradicts the run.
     """
+    check_known_keys(config)
     config = dict(config)
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
         if config.get(key) == "auto":

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.distributed as dist
 
 PLACEMENTS = ("node", "across")
@@ -290,3 +291,22 @@ class DeepSpeedMPU:
 
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+def dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
+    """Counts of the step (labels trained, documents, padding) over all DP groups, in one all-reduce (each SP group
+    holds its own sequences' counts)."""
+    device = next(c for c in counts if isinstance(c, torch.Tensor)).device
+    total = torch.stack([torch.as_tensor(c, device=device, dtype=torch.int64) for c in counts])
+    if layout.dp_size > 1:
+        dist.all_reduce(total, group=layout.dp_group)
+    return total.tolist()
+
+
+def dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
+    """The step's loss averaged over DP groups (each SP group holds the same value on its ranks)."""
+    if layout.dp_size > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=layout.dp_group)
+        loss /= layout.dp_size
+    return float(loss)

@@ -35,14 +35,26 @@ from .job_table import record_for_launcher
 from .job_watch import GRACE_S
 from .stop import Stopped
 
+QUIET_LOGGERS = ("ulysses_lc.mixers.attention", "ulysses_lc.mixers.explicit_attention", "ulysses_lc.levers.yarn")
 LOST_PEER_S = 20.0
 LAUNCH_PY_S = 5.0  # DeepSpeed's launch.py polls its ranks once a second, then ends the live ones in turn
 
 
 def main(argv=None) -> None:
-    """Run the main job from the command line (examples/train_1m.py calls this)."""
+    """Run the main job from the command line (examples/train_1m.py calls this); with --nproc-per-node N, start N
+    ranks of it here and wait for them (launcher.py)."""
+    from .launcher import split
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    launch_flags, job_argv = split(argv)
+    if launch_flags is not None:
+        sys.exit(_launch(launch_flags, job_argv))
     # Every rank runs the same code, so rank 0's log and warnings say all there is; the others' would repeat it.
     logging.basicConfig(level=logging.INFO if _rank() == 0 else logging.WARNING, format="%(message)s")
+    # The start-up block names the kernel and the RoPE: the library's own info lines of them (for a loop of one's own,
+    # a Trainer) would say it again, one of them inside the progress bar.
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     quiet_warnings(_rank())
     cfg, trained = None, False
     try:
@@ -61,8 +73,13 @@ def main(argv=None) -> None:
                 raise
             return
         from .loop import train
+        from .preflight import AlreadyTrained
 
-        train(cfg)
+        try:
+            train(cfg)
+        except AlreadyTrained as e:  # found by every rank's checks: nothing started, no failure to report
+            if job_watch.speaks_for_node():
+                print(str(e), flush=True)
         trained = True
         destroy_distributed()
     except SystemExit:
@@ -86,6 +103,18 @@ def main(argv=None) -> None:
         sys.exit(e.code)
     except BaseException as e:  # noqa: BLE001 - every failure ends here, reported once
         _fail(e)
+
+
+def _launch(launch_flags, job_argv) -> int:
+    from .config import parse_args
+    from .launcher import launch
+
+    cfg = parse_args(job_argv)  # a refused flag is said once, here, before any rank starts
+    try:
+        return launch(launch_flags, job_argv, cfg.stop_grace_s)
+    except ValueError as e:  # a launch flag refused: nothing started
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _say(message: str) -> None:

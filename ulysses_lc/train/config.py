@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import os
 import shlex
 from dataclasses import dataclass, fields
 
@@ -19,6 +21,7 @@ from ..parallel.layout import PLACEMENTS
 from ..tiny import TINY_MODELS
 from .config_checks import TINY_LR, check_config, flag_of  # noqa: F401  (flag_of: resume.py reads it here)
 from .evaluation import EVAL_PASSKEY_DEPTHS
+from .launcher import LAUNCH_FIELDS, add_launch_flags
 from .schedule import SCHEDULES
 
 TINY = "tiny"
@@ -154,10 +157,24 @@ def _head_groups(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: give 'auto' or a whole number of groups") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusal is one line, from rank 0 only, naming the flag closest to a mistyped one: every
+    rank parses the same command line, and each printed its own 36-line usage block, which buried the cause."""
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) != 0:
+            self.exit(2)
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        unknown = [w for w in message.partition("unrecognized arguments:")[2].split() if w.startswith("-")]
+        hints = "".join(f"; did you mean {c[0]} (for {w})?" for w in unknown
+                        if (c := difflib.get_close_matches(w.replace("_", "-"), flags, n=1)))
+        self.exit(2, f"{self.prog}: error: {message}{hints} (--help lists every flag)\n")
+
+
 def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     """The main job's flags; each defaults to None where `parse_args` fills it from the (tiny) defaults."""
     d = TrainConfig()
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = TINY_DEFAULTS
     p.add_argument("--model", help=f"hub name or local folder, or an embedded model: {', '.join(TINY_MODELS)} (default "
                                    f"{d.model}; tiny without GPUs)")
@@ -294,6 +311,7 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                    help="where the passkey is hidden, shares of the haystack in [0, 1], one forward each "
                         "(default %(default)s); 'none': no passkey")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    add_launch_flags(p)  # main() takes them before this parser (launcher.split); listed here for --help
     return p
 
 
@@ -304,6 +322,8 @@ def parse_args(argv=None) -> TrainConfig:
     d = TrainConfig()
     args = vars(build_parser().parse_args(argv))
     args.pop("local_rank")
+    if [f for f in LAUNCH_FIELDS if args.pop(f) is not None]:  # main() takes them first (launcher.split)
+        raise ValueError("--nproc-per-node and its flags start the job's ranks: pass them to ulysses-lc-train.")
     no_gpu = not torch.cuda.is_available()
     tiny = args["model"] in TINY_MODELS or (args["model"] is None and no_gpu)
     defaults = TINY_DEFAULTS if tiny else CPU_DEFAULTS if no_gpu and not args["dry_run"] else {}
@@ -338,5 +358,6 @@ def _given(argv) -> tuple[str, ...]:
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     given = vars(parser.parse_args(argv))
-    given.pop("local_rank", None)
+    for field in ("local_rank", *LAUNCH_FIELDS):
+        given.pop(field, None)
     return tuple(sorted(given))

@@ -9,6 +9,7 @@ caches of what the model computes (the precomputed DPO reference).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import json
@@ -55,6 +56,21 @@ def _hub_kwargs(name: str) -> dict:
     return {"local_files_only": True} if not Path(name).exists() and hub_offline() else {}
 
 
+def looks_local(name: str) -> bool:
+    """Whether --model `name` can only mean a folder: ./x, ../x, /x, ~/x, or two separators (a hub name has one)."""
+    return name.startswith(("./", "../", "/", "~")) or name.replace(os.sep, "/").count("/") >= 2
+
+
+def _missing_folder(name: str) -> str:
+    folder = Path(name).expanduser()
+    parent = folder.absolute().parent
+    near = [p.name for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
+    close = difflib.get_close_matches(folder.name, near, n=1)
+    hint = (f"did you mean --model {os.path.join(os.path.dirname(name), close[0])}?" if close else
+            "pass the folder that holds the model's config.json, a hub name (org/name), or tiny.")
+    return f"--model {name}: no such folder ({folder.absolute()} does not exist); {hint}"
+
+
 # The config.json of published checkpoints, as published (model_configs/SOURCES.md says where each was read), so a dry
 # run sizes them without the hub: --dry-run needs the config alone. Package data: a wheel carries them.
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "model_configs"
@@ -78,6 +94,8 @@ def model_config_and_source(name: str, dry_run: bool = False):
         from ..tiny import tiny_model_config
 
         return tiny_model_config(name), None
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise ValueError(_missing_folder(name))  # transformers would take it for a hub name: a hub or network error
     from transformers import AutoConfig
 
     try:

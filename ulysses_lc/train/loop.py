@@ -17,15 +17,16 @@ import logging
 import os
 import re
 import time
+import warnings
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ..data import build_token_stream, check_source, pad_token_id
-from ..parallel.distributed import init_distributed, seed_step, world_size
-from ..parallel.layout import ParallelLayout
+from ..data import DataRepeats, build_token_stream, check_source, pad_token_id
+from ..parallel.distributed import init_distributed, seed_step, share_cpu_threads, world_size
+from ..parallel.layout import ParallelLayout, dp_mean, dp_sum
 from ..plan.first_step import WHAT
 from ..plan.metrics import measure_peak_bf16_tflops, model_flops_per_step
 from ..model import SequenceParallelCausalLM
@@ -37,7 +38,8 @@ from .run_state import (RUN_FILE, check_output_dir, latest_checkpoint, load_chec
                         save_checkpoint, write_run_file)
 from .config import TrainConfig
 from .checkpoint_files import agree_on_write, write_failure
-from .console import RunLogger, layout_line, startup_block
+from .console import (RunLogger, data_line, first_step_line, kernel_named, layout_line, pairs_line, progress_bars_off,
+                      startup_block, summary, unmade_on_failure)
 from .divergence import StepGuard
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
@@ -106,6 +108,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     import deepspeed
 
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
+    threads = share_cpu_threads()  # each rank its share of the node's cores, before any heavy work
     layout = ParallelLayout.build(checked.sp_size, placement=run.parallel.placement)
     world, sp_size, model_config, ds_config = layout.world_size, layout.sp_size, checked.model_config, checked.ds_config
     model_settings, stream_settings, output, optim = run.model, run.stream, run.output, run.optim
@@ -124,6 +127,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     if output.resume and checked.out != out:  # this node's latest run was another: check rank 0's here too
         check_output_dir(out, output.resume)
     run_files = folder_owner(out, layout)
+    stepped = []  # the steps of this run that ended: once one has, its folder is kept whatever comes after
+    held.push(unmade_on_failure(out, run_files.writes, stepped))  # before the lock: removed after its release
     held.enter_context(hold_run_folder(out, run_files.writes, layout))  # a second job on this folder stops here
     cache_files = folder_owner(stream_settings.cache_dir, layout)
     if rank0:
@@ -134,20 +139,26 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     tokenizer = load_tokenizer(model_settings.name)
     if dpo:  # every pair read and checked (length, completion tokens) before any weight loads
         stream = build_pair_stream(stream_settings, tokenizer)
+        data = pairs_line(stream_settings.source, stream, stream_settings.shape.packing, steps, global_batch)
     else:
         shape = stream_settings.shape.kwargs()
         # A missing path, column or completion fails here, on the first rows, before any weights load.
         check_source(stream_settings.source, tokenizer, seq_len=seq_len, **shape)
-        stream = build_token_stream(
-            stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
-            cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
-            held_out=run.eval.held_out(layout.dp_size) if run.eval else 0,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DataRepeats)  # the data line says it
+            stream = build_token_stream(
+                stream_settings.source, tokenizer, seq_len, num_steps=steps * global_batch,
+                cache_dir=stream_settings.cache_dir, builder=cache_files.writes, progress=rank0, **shape,
+                held_out=run.eval.held_out(layout.dp_size) if run.eval else 0,
+            )
+        data = data_line(stream_settings.source, stream, stream_settings.shape, steps, global_batch)
     evaluation = RunEvaluation.build(run.eval, stream, stream_settings, tokenizer, layout, cache_files.writes, rank0,
                                      text_config(model_config).vocab_size, pad_token_id(tokenizer)) if run.eval else None
 
     _stop_before_start(stop, layout, device, out, output.resume)  # a Ctrl-C while the data was tokenized
     torch.manual_seed(run.seed)
+    if rank0:  # tens of seconds of silence otherwise, more for a large model
+        logger.info("loading the weights of %s%s", model_settings.name, f", ZeRO-3 over {world} ranks" * (world > 1))
     hf_model = load_model(model_settings.name, model_config, model_settings.dtype, run.seed, device, ds_config,
                           checked.peft_config)
     model = SequenceParallelCausalLM(hf_model, layout, kernel=model_settings.kernel,
@@ -162,6 +173,9 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     if "optimizer" not in ds_config:
         optimizer = torch.optim.AdamW(groups, lr=optim.lr, weight_decay=optim.weight_decay, fused=device.type == "cuda")
     schedule = Schedule(optim)  # a function of this object, not the object: LambdaLR would save and load its fields
+    if rank0:
+        logger.info("starting DeepSpeed's ZeRO-3 engine%s", " and the DPO reference model"
+                    if dpo and run.objective.reference == "copy" else "")
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
@@ -191,9 +205,10 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     if rank0:
         logger.info(startup_block(
             out=out, run=run, checked=checked, layout_line=layout_line(layout, checked.global_batch),
-            num_params=num_params, kernel=model_settings.kernel, plan=plan, estimate=estimate, device="gpu" if limits else "cpu",
-            limits_line=limits_line, deltanet=model.deltanet,
-            node=node_line(estimate, ranks_here, beside) if limits else None, kernels=kernels.line(),
+            num_params=num_params, kernel=kernel_named(model_settings.kernel, model.attention.kernel), plan=plan,
+            estimate=estimate, device="gpu" if limits else "cpu", limits_line=limits_line, deltanet=model.deltanet,
+            threads=threads, data=data, kernels=kernels.line(),
+            node=node_line(estimate, ranks_here, beside) if limits else None,
             differs=None if plan == dry else "device memory is in use outside this job's allocator and CUDA context "
                                              "(another process on this GPU?), which the dry run's plan needs"))
         if evaluation is not None:
@@ -251,6 +266,8 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 logger.info("step %d: the first; %s in it, about %.0f s, once: kept in %s", step + 1,
                             " and ".join(WHAT[kind] for kind in kernels.uncached), estimate.first_extra_s,
                             kernels.folder)
+            elif step == start_step and rank0 and (first := first_step_line(device)):
+                logger.info(first.replace("step 1:", f"step {step + 1}:"))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
@@ -291,10 +308,10 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                 losses.append(loss.detach())
                 trained = trained + n_trained
                 documents, padding = documents + n_documents, padding + n_padding
-            trained, documents, padding = _dp_sum([trained, documents, padding], layout)
+            trained, documents, padding = dp_sum([trained, documents, padding], layout)
             # The host syncs of the step: the logged numbers (SFT: the token mean; DPO: the pair mean).
-            loss_value = _dp_mean(torch.stack(losses).mean(), layout)
-            aux_value = _dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
+            loss_value = dp_mean(torch.stack(losses).mean(), layout)
+            aux_value = dp_mean(torch.stack(aux_losses).mean(), layout) if aux_losses else None
             step_time = time.perf_counter() - t0
             if step == start_step:
                 kernels.first_step_done(step_time)
@@ -318,6 +335,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
             if record is not None:
                 records.append(record)
             done = step + 1
+            stepped.append(done)
             # The loss is the same on every rank (SP-reduced, then the DP mean), the norms are global, so every
             # rank stops here together: before this step's checkpoint.
             guard.after_step(done, loss_value, grad_norm)
@@ -336,10 +354,11 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                               f"{latest_checkpoint(out)} written: --resume --output-dir {out} continues", stop.code)
 
     if output.export:
-        export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=output.export_merged)
+        with progress_bars_off():
+            export_hf_model(engine, model, tokenizer, out / EXPORT_DIR, layout, merged=output.export_merged)
     if rank0:
-        logger.info("done: %d steps in %s (checkpoint %s%s)", steps, out, latest_checkpoint(out),
-                    f", Hugging Face model {out / EXPORT_DIR}" if output.export else "")
+        logger.info(summary(out=out, records=records, steps=steps, start_step=start_step, checkpoint=latest_checkpoint(out),
+                            export=out / EXPORT_DIR if output.export else None, tensorboard=output.tensorboard))
     return records
 
 
@@ -370,22 +389,3 @@ def _start_wandb(project: str, flags: TrainConfig, out: Path):
     # One W&B run per run directory: a resumed run continues it (its id is the directory's name).
     run_id = re.sub(r"[^\w-]", "-", out.name)  # W&B ids take letters, digits, '-' and '_'
     return wandb.init(project=project, name=out.name, id=run_id, resume="allow", dir=str(out), config=asdict(flags))
-
-
-def _dp_sum(counts: list, layout: ParallelLayout) -> list[int]:
-    """Counts of the step (labels trained, documents, padding) over all DP groups, in one all-reduce (each SP group
-    holds its own sequences' counts)."""
-    device = next(c for c in counts if isinstance(c, torch.Tensor)).device
-    total = torch.stack([torch.as_tensor(c, device=device, dtype=torch.int64) for c in counts])
-    if layout.dp_size > 1:
-        torch.distributed.all_reduce(total, group=layout.dp_group)
-    return total.tolist()
-
-
-def _dp_mean(loss: torch.Tensor, layout: ParallelLayout) -> float:
-    """The step's loss averaged over DP groups (each SP group holds the same value on its ranks)."""
-    if layout.dp_size > 1:
-        loss = loss.clone()
-        torch.distributed.all_reduce(loss, group=layout.dp_group)
-        loss /= layout.dp_size
-    return float(loss)

@@ -21,6 +21,7 @@ from ..parallel.layout import ParallelLayout
 from ..peft_support import count_trainable_parameters, lora_config
 from ..levers.yarn import plan_rope
 from ..parallel.zero_reshard import check_complete
+from .checkpoint_files import read_manifest, verify
 from .loading import hub_offline, model_config_and_source
 from .config import CheckFailed, as_check_failed
 from .run_state import CHECKPOINT_DIR, check_output_dir, latest_tag, saved_layout
@@ -33,6 +34,11 @@ OPTIONAL_PACKAGES = (
     ("--wandb", "wandb_project", "wandb", "wandb"),
     ("--lora-r", "lora_r", "peft", "peft"),
 )
+
+
+class AlreadyTrained(CheckFailed):
+    """--resume of a run whose checkpoint already reached --steps: nothing to train, nothing written (cli.main says
+    so and exits 0)."""
 
 
 @dataclass
@@ -78,7 +84,8 @@ def raise_agreed(failure: BaseException | None, outcomes: list, table) -> None:
     if table.rank == first and not is_check:
         raise failure
     if all(o == outcomes[first] for o in outcomes):
-        raise CheckFailed(message)  # every rank found the same: no rank to name
+        # every rank found the same: no rank to name; its own error keeps its kind (AlreadyTrained exits 0)
+        raise failure if isinstance(failure, CheckFailed) else CheckFailed(message)
     others = f"; ranks {', '.join(map(str, failed))} failed their checks" if len(failed) > 1 else ""
     raise CheckFailed(message, origin=f"{table.where(first)}{others}")
 
@@ -97,6 +104,8 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
         raise ValueError(f"--seq-len {stream.seq_len} is shorter than sp_size={sp_size}: each rank needs a token.")
     out = None if run.dry_run else _check_output(run.output)
     saved = saved_layout(out, int(os.environ.get("RANK", "0"))) if run.output.resume and out is not None else None
+    if saved is not None and saved["step"] >= run.optim.steps:
+        _refuse_trained(out, saved["step"], run.optim.steps)
     if saved is not None and saved["world_size"] != world_size:
         # Every old rank's ZeRO-3 file is read to reshard: missing ones fail here, on every rank, in seconds.
         check_complete(out / CHECKPOINT_DIR / latest_tag(out), saved["world_size"])
@@ -135,6 +144,18 @@ def _preflight(run: RunSettings, world_size: int) -> Checked:
         trainable = count_language_model_params(model_config)
     return Checked(out, ds_config, model_config, sp_size, world_size, peft_config, trainable, global_batch, saved,
                    rope.summary, config_note)
+
+
+def _refuse_trained(out: Path, step: int, steps: int) -> None:
+    """AlreadyTrained where `out`'s checkpoint at `step` reached --steps and every file of it checks against its
+    manifest (a damaged one, or one without a manifest, is the load's to name: it resumes an older one and trains on)."""
+    tag = out / CHECKPOINT_DIR / f"step{step}"
+    if verify(tag) or read_manifest(tag) is None:
+        return
+    raise AlreadyTrained(
+        f"{out} already reached step {step} (--steps {steps}): nothing to train, and its checkpoint, export and "
+        f"run.json stay as they are. To train on, pass --resume with a larger --steps (e.g. --steps {step + steps}); "
+        "the schedule then continues from the factor reached.")
 
 
 def _global_batch(given: int | None, layout: ParallelLayout, saved: dict | None) -> int:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .checkpoint_files import raise_first_failure
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-LAUNCHERS = ("torch.distributed.run", "torchrun", "deepspeed", "accelerate", "mpirun")
+LAUNCHERS = ("torch.distributed.run", "torchrun", "deepspeed", "accelerate", "mpirun", "--nproc-per-node", "--nproc_per_node")
 
 
 class Stopped(Exception):
