@@ -90,11 +90,23 @@ def weighted_rows():
     return {"input_ids": ids, "labels": [[-100] * 56 + ids[0][56:], ids[1]]}
 
 
+def plain_grads(record):
+    """A TrainerCallback keeping a plain (no DeepSpeed) Trainer's first-step gradients in record["grads"], taken
+    before the optimizer step, unclipped with max_grad_norm 0, as first_step_grads takes DeepSpeed's."""
+    from transformers import TrainerCallback
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            record.setdefault("grads", {n: p.grad.clone() for n, p in model.named_parameters()})
+
+    return Grads()
+
+
 def weighting_worker(rank, world, sp_size, out, ulysses):
     """The first optimizer step over weighted_rows(), 2 sequences a step (gradient accumulation 2 on one DP rank, 1
     on two): its logged loss and gradients (plain names). ulysses=False: the plain Trainer on the plain model."""
     import datasets
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer
 
     from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
     from ulysses_lc.model import SequenceParallelCausalLM
@@ -109,12 +121,8 @@ def weighting_worker(rank, world, sp_size, out, ulysses):
             trainer.train()
         grads = {SequenceParallelCausalLM.plain_name(n): g for n, g in record["grads"].items()}
     else:
-        class Grads(TrainerCallback):  # unclipped (max_grad_norm 0), as first_step_grads takes DeepSpeed's
-            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-                record.setdefault("grads", {n: p.grad.clone() for n, p in model.named_parameters()})
-
         args = training_args(out, 1, gradient_accumulation_steps=ga, deepspeed=None, max_grad_norm=0.0)
-        trainer = Trainer(model=build("qwen3"), args=args, train_dataset=ds, callbacks=[Grads()])
+        trainer = Trainer(model=build("qwen3"), args=args, train_dataset=ds, callbacks=[plain_grads(record)])
         trainer.train()
         grads = record["grads"]
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], grads
@@ -366,7 +374,6 @@ def sft_moe_worker(rank, world, sp_size, out, ulysses):
     lengths a step (accumulation 2 on one DP rank, 1 on two): the first step's loss and gradients (plain names).
     ulysses=False: TRL's own SFTTrainer on one process, no DeepSpeed."""
     import datasets
-    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     from ulysses_lc.integrations.hf_trainer import UlyssesSFTTrainer
@@ -392,13 +399,9 @@ def sft_moe_worker(rank, world, sp_size, out, ulysses):
             trainer.train()
         grads = {SequenceParallelCausalLM.plain_name(n): g for n, g in record["grads"].items()}
     else:
-        class Grads(TrainerCallback):  # unclipped (max_grad_norm 0), as first_step_grads takes DeepSpeed's
-            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-                record.setdefault("grads", {n: p.grad.clone() for n, p in model.named_parameters()})
-
         trainer = SFTTrainer(model=build("qwen3_moe", vocab_size=len(tokenizer), **MOE),
                              args=SFTConfig(max_grad_norm=0.0, **common), train_dataset=ds,
-                             processing_class=tokenizer, callbacks=[Grads()])
+                             processing_class=tokenizer, callbacks=[plain_grads(record)])
         trainer.train()
         grads = record["grads"]
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], grads
