@@ -66,6 +66,11 @@ RUNGS = {
     # would take ~6,200 s).
     "llama-8b-1L-longest": ("llama-3.1-8b", None, "zero3_offload_all", 120, 1),
     "0.6b-longest-40gb": ("qwen3-0.6b", None, "zero3", 30, None, 40),
+    # The refit of issue 44's terms (benchmarks/results/2026-12-03/longest_refit.sh): the same cut at 768k (with
+    # MEMORY_BREAKDOWN=1: what is live at the GPU peak) and at the old longest, 1,146,880 tokens (the step time
+    # before and after the issue's levers: this script run over the package as it was, and as it is).
+    "llama-8b-1L@768k": ("llama-3.1-8b", 768 * K, "zero3_offload_all", 80, 1),
+    "llama-8b-1L@1120k": ("llama-3.1-8b", 1120 * K, "zero3_offload_all", 80, 1),
 }
 SMOKE = {"tiny@512": ("tiny", 512, "zero3", 30), "tiny-offload@512": ("tiny", 512, "zero3_offload_optimizer", 30)}
 WARMUP_TOKENS = 8 * K
@@ -177,8 +182,13 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
     wrapper.use_plan(MemoryPlan(0, 0, 0))  # warm-up: optimizer state made, no pinned buffers
     rec["warmup_s"] = step(min(WARMUP_TOKENS, seq))
     wrapper.use_plan(plan)
+    breakdown = os.environ.get("MEMORY_BREAKDOWN") == "1" and dev.type == "cuda"
+    rec["host_rss_before_step"] = psutil.Process().memory_info().rss / GB
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        if breakdown:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
         rec["step_s"] = step(seq)
         rec["status"] = "ok"
@@ -186,12 +196,54 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
         rec.update(status="oom", error=str(e).splitlines()[0])
     if dev.type == "cuda":
         rec.update(gpu_peak=torch.cuda.max_memory_allocated(dev) / GB,
-                   gpu_reserved=torch.cuda.max_memory_reserved(dev) / GB)
+                   gpu_reserved=torch.cuda.max_memory_reserved(dev) / GB, gpu_before_step=base / GB)
+        if breakdown:
+            rec["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot(), base)
+            torch.cuda.memory._record_memory_history(enabled=None)
     report = wrapper.checkpointing.report()
     rec.update(host_rss=psutil.Process().memory_info().rss / GB,
                host_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
                pinned=report.get("host_bytes", 0) / GB)
     return rec
+
+
+def peak_breakdown(snapshot: dict, base: int, top: int = 40) -> dict:
+    """What is live at the step's GPU peak, from torch.cuda.memory's recorded history: the allocations made in the step
+    and not yet freed at the moment their total was highest, summed by where they were made (the innermost frames in
+    ulysses_lc, transformers or DeepSpeed, and the innermost frame). `base`: what was allocated before the step."""
+    events = snapshot["device_traces"][0]
+    sizes, total, peak, peak_at = {}, 0, 0, -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            sizes[e["addr"]] = e["size"]
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in sizes:
+            total -= sizes.pop(e["addr"])
+        if total > peak:
+            peak, peak_at = total, i
+    live = {}
+    for e in events[:peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+
+    def where(frames) -> str:
+        ours = [f for f in frames if any(k in f["filename"] for k in ("ulysses_lc/", "transformers/", "deepspeed/"))]
+        named = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in ours[:3]]
+        inner = f"{Path(frames[0]['filename']).name}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
+        return " < ".join([inner] + named)
+
+    groups = {}
+    for e in live.values():
+        g = groups.setdefault(where(e.get("frames", [])), [0, 0, 0])
+        g[0] += e["size"]
+        g[1] += 1
+        g[2] = max(g[2], e["size"])
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"events": len(events), "base_gb": base / GB, "step_peak_gb": peak / GB, "peak_gb": (base + peak) / GB,
+            "groups": [{"where": k, "gb": v[0] / GB, "count": v[1], "largest_gb": v[2] / GB} for k, v in rows[:top]],
+            "rest_gb": sum(v[0] for _, v in rows[top:]) / GB}
 
 
 def _child(cmd, log_path: Path, seconds: float) -> str | None:
