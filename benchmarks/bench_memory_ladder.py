@@ -71,6 +71,7 @@ RUNGS = {
     # before and after the levers: this script run over the package as it was, and as it is).
     "llama-8b-1L@768k": ("llama-3.1-8b", 768 * K, "zero3_offload_all", 80, 1),
     "llama-8b-1L@1120k": ("llama-3.1-8b", 1120 * K, "zero3_offload_all", 80, 1),
+    "llama-8b-1L@1536k": ("llama-3.1-8b", 1536 * K, "zero3_offload_all", 80, 1),  # checkpointed: plan [1, 0, 1]
 }
 SMOKE = {"tiny@512": ("tiny", 512, "zero3", 30), "tiny-offload@512": ("tiny", 512, "zero3_offload_optimizer", 30)}
 WARMUP_TOKENS = 8 * K

@@ -25,3 +25,6 @@ keep old-1120k
 MEMORY_BREAKDOWN=1 python3 benchmarks/bench_memory_ladder.py --only llama-8b-1L@768k --budget-s 150 --out /tmp/new-768k \
   2>&1 | tail -2
 keep new-768k
+# Second call (the 768k breakdown above was skipped by the time guard, and at 768k the plan is all plain): the
+# breakdown at 1,572,864 tokens, where the plan checkpoints the layer (plan [1, 0, 1]) as at the 1.72M longest.
+#   MEMORY_BREAKDOWN=1 python3 benchmarks/bench_memory_ladder.py --only llama-8b-1L@1536k --budget-s 400 --out /tmp/b
