@@ -4,15 +4,17 @@ Tiny Mistral (every layer windowed), Gemma 3 text (local / global layers, final 
 (sinks on every layer, local / global, MoE) and a Qwen3 config with use_sliding_window, 37 tokens (not divisible by sp): a window of 5, smaller than a shard,
 and one of 24, wider than a shard (at sp 4 it spans three); packed documents against each document alone; at sp 2
 also every lever (chunked loss with the soft-cap, tiled MLP over the MoE, checkpoints offloaded, every layer keeping
-its attention output for the recompute, bf16-saving RMSNorm in each family's form). One launch of 4 ranks runs
-every case: sp 4, then sp 2 as two data-parallel groups on the same sequence (their averaged gradient is the
-sequence's own). The SP side would pass against a wrong window too if the window did not matter: each family's
+its attention output for the recompute, bf16-saving RMSNorm in each family's form). One body on the session's 4 shared
+ranks runs every case: sp 4, then sp 2 as two data-parallel groups taking alternate cases (each gradient summed over
+its SP group / sp, what ZeRO-3's average over all ranks makes of it). The SP side would pass against a wrong window too if the window did not matter: each family's
 result is also held against the reference with the window one token wider and with no window, and must miss both. Tolerances (fp32, test_sp_parity's): loss 1e-5 relative, every gradient 1e-4 relative norm.
 """
 
 import functools
 
-from tests._dist import run_distributed
+import torch.distributed as dist
+
+from tests._dist import run_shared
 from tests.models import WINDOW_FAMILIES, build
 from tests.test_sp_parity import GRAD_RTOL, NO_LEVERS, assert_close, make_sequence
 from ulysses_lc import MemoryPlan, ParallelLayout, SequenceParallelCausalLM, reduce_gradients, shard_batch
@@ -45,20 +47,31 @@ def reference(family, window, docs):
 
 
 def cases_worker(rank, world_size, cases):
+    """(case index, loss, gradients) of each case this rank took: every case at sp 4 (one group of all ranks), and
+    at sp 2 the cases of its data-parallel group (alternate ones, the two groups side by side)."""
     layouts = {sp: ParallelLayout.build(sp) for sp in sorted({case[0] for case in cases})}
+    at_sp = {sp: [i for i, case in enumerate(cases) if case[0] == sp] for sp in layouts}
     input_ids, labels = make_sequence(SEQ, seed=7)
     results = []
-    for sp, family, window, docs, levers in cases:
+    for index, (sp, family, window, docs, levers) in enumerate(cases):
         layout = layouts[sp]
+        if at_sp[sp].index(index) % layout.dp_size != layout.dp_rank:
+            continue
         docs = list(docs) if docs else None
         model = SequenceParallelCausalLM(build(family, sliding_window=window), layout, min_offload_bytes=0, **levers)
         batch = shard_batch(input_ids, layout, labels=labels, document_lengths=docs)
         loss = model(**batch.as_kwargs())
         loss.backward()
-        reduce_gradients(model.parameters(), layout)
+        if layout.dp_size == 1:
+            reduce_gradients(model.parameters(), layout)
+        else:  # the DP groups hold different cases: the SP group's sum / sp, as reduce_gradients makes of one case
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=layout.sp_group)
+                    p.grad.div_(layout.sp_size)
         grads = {n.replace(".mlp.mlp.", ".mlp."): p.grad for n, p in model.model.named_parameters()
                  if p.grad is not None}
-        results.append((loss.item(), grads))
+        results.append((index, loss.item(), grads))
     return results
 
 
@@ -73,8 +86,14 @@ def _misses(result, ref):
 
 def test_window_families_equal_single_process():
     cases = [(sp, f, w, tuple(docs) if docs else None, levers) for sp, f, w, docs, levers in CASES]
-    per_rank = run_distributed(cases_worker, 4, cases)
-    for (sp, family, window, docs, levers), *ranks in zip(cases, *per_rank):
+    per_case = {}
+    for rank_results in run_shared(cases_worker, 4, cases):
+        for index, *result in rank_results:
+            per_case.setdefault(index, []).append(result)
+    # every case on each rank of its SP group: all 4 at sp 4, 2 at sp 2
+    assert {i: len(r) for i, r in per_case.items()} == {i: case[0] for i, case in enumerate(cases)}
+    for index, (sp, family, window, docs, levers) in enumerate(cases):
+        ranks = per_case[index]
         ref = reference(family, window, docs)
         for result in ranks:
             assert_close(*result, *ref)
