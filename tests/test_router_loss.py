@@ -17,15 +17,16 @@ Levers: none; every lever but the tiled MLP (checkpointed, offloaded layers: the
 every lever with the tiled MLP in 3 tiles.
 router_aux_loss_coef 0.5: the default 0.001 leaves the router term below the tolerances (a dropped term would pass).
 Tolerances (fp32): loss 1e-5 relative, every gradient 1e-4 relative norm (test_sp_parity's), the routers' included.
-One launch of 4 gloo ranks per family runs sp 4, sp 2 (2 DP groups) and sp 1 (4), each DP group a case of its own;
-a gradient is the sum over its SP group / sp, what ZeRO-3's average over all ranks makes of it (layout.py).
+One body on the session's 4 shared gloo ranks runs every family at sp 4, sp 2 (2 DP groups) and sp 1 (4), each DP
+group cases of its own; a gradient is the sum over its SP group / sp, what ZeRO-3's average over all ranks makes of
+it (layout.py).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import run_shared
+from tests._dist import run_distributed, run_shared
 from tests.models import VOCAB, build
 from tests.test_sp_parity import LOSS_RTOL, assert_close
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
@@ -77,16 +78,17 @@ def reference(family, kwargs):
     return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def router_worker(rank, world_size, family, cases):
+def router_worker(rank, world_size, cases_of):
+    """Every (family, levers, case) at sp 1, 2 and 4, the DP groups taking them in turn; the layouts built once."""
     results = []
     for sp in (1, 2, 4):
         layout = ParallelLayout.build(sp)
-        for lever_name, levers in LEVER_SETS.items():
-            for round_ in range(-(-len(cases) // layout.dp_size)):
-                index = (round_ * layout.dp_size + layout.dp_rank) % len(cases)
-                loss, grads = _loss_and_grads(family, layout, levers, cases[index][1])
-                if layout.sp_rank == 0:
-                    results.append((sp, lever_name, index, loss, grads))
+        work = [(family, lever_name, index) for family, cases in cases_of.items() for lever_name in LEVER_SETS
+                for index in range(len(cases))]
+        for family, lever_name, index in work[layout.dp_rank::layout.dp_size]:
+            loss, grads = _loss_and_grads(family, layout, LEVER_SETS[lever_name], cases_of[family][index][1])
+            if layout.sp_rank == 0:
+                results.append((family, sp, lever_name, index, loss, grads))
     return results
 
 
@@ -103,21 +105,29 @@ def _loss_and_grads(family, layout, levers, batch_kwargs):
     return loss.item(), grads
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next"])
-def test_router_loss_equals_transformers_at_sp_1_2_4(family):
-    cases = _cases(packed=family in ("qwen3_moe", "mixtral"))
-    refs = [reference(family, ref_kwargs) for _, _, ref_kwargs in cases]
+FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next")
+
+
+def test_router_loss_equals_transformers_at_sp_1_2_4():
+    # One body for every family: the 4 shared ranks build their layouts once, not once a family.
+    cases_of = {family: _cases(packed=family in ("qwen3_moe", "mixtral")) for family in FAMILIES}
     seen = set()
-    for rank_results in run_shared(router_worker, 4, family, cases):
-        for sp, lever_name, index, loss, grads in rank_results:
-            where = (sp, lever_name, cases[index][0])
-            assert any("gate" in n or "router" in n for n in grads)  # the routers' gradients are compared
-            try:
-                assert_close(loss, grads, *refs[index])
-            except AssertionError as e:
-                raise AssertionError(f"sp {sp}, levers {lever_name}, case {where[2]}: {e}") from None
-            seen.add(where)
-    assert seen == {(sp, lever, case[0]) for sp in (1, 2, 4) for lever in LEVER_SETS for case in cases}
+    results = run_shared(router_worker, 4, cases_of)
+    for family, cases in cases_of.items():
+        refs = [reference(family, ref_kwargs) for _, _, ref_kwargs in cases]
+        for rank_results in results:
+            for result_family, sp, lever_name, index, loss, grads in rank_results:
+                if result_family != family:
+                    continue
+                where = (family, sp, lever_name, cases[index][0])
+                assert any("gate" in n or "router" in n for n in grads)  # the routers' gradients are compared
+                try:
+                    assert_close(loss, grads, *refs[index])
+                except AssertionError as e:
+                    raise AssertionError(f"{family}, sp {sp}, levers {lever_name}, case {where[3]}: {e}") from None
+                seen.add(where)
+    assert seen == {(family, sp, lever, case[0]) for family, cases in cases_of.items() for sp in (1, 2, 4)
+                    for lever in LEVER_SETS for case in cases}
 
 
 def switch_worker(rank, world_size):
@@ -189,7 +199,9 @@ def test_trainer_loss_holds_the_router_loss(tmp_path):
     model = build("qwen3_moe", **MOE).eval()
     with torch.no_grad():
         ref = sum(model(**{k: torch.tensor([v[i]]) for k, v in rows.items()}).loss.item() for i in range(2)) / 2
-    for loss in run_shared(trainer_worker, 2, str(tmp_path), rows, kind="trainer"):
+    # Fresh ranks, not the shared ones: a "trainer" body would end the session's 2 shared ranks of another kind (the
+    # test files on either side of this one use plain ones), and each change of kind starts 2 new ranks.
+    for loss in run_distributed(trainer_worker, 2, str(tmp_path), rows):
         assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
 
 
