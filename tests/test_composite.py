@@ -39,34 +39,24 @@ def plain_reference(family, input_ids, labels):
     return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def sp_worker(rank, world_size, families, input_ids, labels, levers):
+def sp_worker(rank, world_size, families, input_ids, labels, lever_sets):
     layout = ParallelLayout.build(world_size)
     results = {}
-    for family in families:
-        model = SequenceParallelCausalLM(build_composite(family), layout, min_offload_bytes=0, **levers)
-        loss = model(**shard_batch(input_ids, layout, labels=labels).as_kwargs())
-        loss.backward()
-        reduce_gradients(model.parameters(), layout)
-        grads = {plain_parameter_name(n): p.grad for n, p in model.model.named_parameters() if p.grad is not None}
-        trained = sorted(plain_parameter_name(n) for n, p in model.model.named_parameters() if p.requires_grad)
-        model.undo()
-        results[family] = loss.item(), grads, trained
+    for lever_name, levers in lever_sets.items():
+        for family in families:
+            model = SequenceParallelCausalLM(build_composite(family), layout, min_offload_bytes=0, **levers)
+            loss = model(**shard_batch(input_ids, layout, labels=labels).as_kwargs())
+            loss.backward()
+            reduce_gradients(model.parameters(), layout)
+            grads = {plain_parameter_name(n): p.grad for n, p in model.model.named_parameters() if p.grad is not None}
+            trained = sorted(plain_parameter_name(n) for n, p in model.model.named_parameters() if p.requires_grad)
+            model.undo()
+            results[lever_name, family] = loss.item(), grads, trained
     return results
 
 
 def _is_language_model(name: str) -> bool:
     return "language_model" in name or name.startswith("lm_head")
-
-
-@pytest.mark.parametrize("levers", [NO_LEVERS, ALL_LEVERS], ids=["no_levers", "all_levers"])
-def test_sp2_trains_the_language_model_as_the_plain_class(levers):
-    input_ids, labels = make_sequence(48, seed=3, ignore_prefix=5)
-    results = run_shared(sp_worker, 2, COMPOSITE_FAMILIES, input_ids, labels, levers)
-    for family in COMPOSITE_FAMILIES:
-        ref_loss, ref_grads = plain_reference(family, input_ids, labels)
-        for loss, grads, trained in (r[family] for r in results):
-            assert_close(loss, grads, ref_loss, ref_grads)
-            assert trained and all(_is_language_model(n) for n in trained), trained  # the vision tower is frozen
 
 
 def _save_checkpoint(family, folder):
@@ -154,6 +144,8 @@ def test_composite_config_is_read_through_text_config():
 
 def trainer_worker(rank, world_size, source, out):
     import datasets
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from tests.test_hf_trainer import DS, sequences, training_args
     from ulysses_lc import load_model_for_length
@@ -165,14 +157,19 @@ def trainer_worker(rank, world_size, source, out):
     args = training_args(out, 2, deepspeed=config, save_strategy="steps", save_steps=2)
     trainer = UlyssesTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(
         {"input_ids": sequences()}), sp_size=2)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:  # a "deepspeed" body on shared ranks: the state the Trainer leaves goes with it (as a "trainer" body's)
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state(reset_partial_state=True)
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 def test_trainer_saves_the_checkpoint_class_with_untrained_weights_byte_identical(tmp_path):
     source = tmp_path / "checkpoint"
     cls = type(_save_checkpoint("qwen3_5", source))
-    losses = run_shared(trainer_worker, 2, str(source), str(tmp_path / "out"), kind="trainer")[0]
+    # The "deepspeed" kind (the body resets the Trainer's state itself): the same ranks as the main job's test above.
+    losses = run_shared(trainer_worker, 2, str(source), str(tmp_path / "out"), kind="deepspeed")[0]
     assert len(losses) == 2
     saved = tmp_path / "out" / "checkpoint-2"
     loaded, info = cls.from_pretrained(saved, output_loading_info=True)
@@ -196,3 +193,21 @@ def test_lora_adapts_only_the_language_model():
     assert names and all("language_model" in n for n in names), names
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert count_trainable_parameters(config, lora_config(4))[1] == trainable
+
+
+# Last in the file: the main job's and the Trainer's tests above share the session's "deepspeed" ranks, and this
+# "plain" body leaves plain ranks for the test files after this one (each change of kind starts new ranks).
+def test_sp2_trains_the_language_model_as_the_plain_class():
+    # One body for both lever sets: no lever, and every lever.
+    input_ids, labels = make_sequence(48, seed=3, ignore_prefix=5)
+    lever_sets = {"no_levers": NO_LEVERS, "all_levers": ALL_LEVERS}
+    results = run_shared(sp_worker, 2, COMPOSITE_FAMILIES, input_ids, labels, lever_sets)
+    for family in COMPOSITE_FAMILIES:
+        ref_loss, ref_grads = plain_reference(family, input_ids, labels)
+        for lever_name in lever_sets:
+            for loss, grads, trained in (r[lever_name, family] for r in results):
+                try:
+                    assert_close(loss, grads, ref_loss, ref_grads)
+                except AssertionError as e:
+                    raise AssertionError(f"{family}, {lever_name}: {e}") from None
+                assert trained and all(_is_language_model(n) for n in trained), trained  # the vision tower is frozen
