@@ -199,7 +199,10 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
         rec.update(gpu_peak=torch.cuda.max_memory_allocated(dev) / GB,
                    gpu_reserved=torch.cuda.max_memory_reserved(dev) / GB, gpu_before_step=base / GB)
         if breakdown:
-            rec["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot(), base)
+            try:  # a record without its breakdown still reports the peaks
+                rec["peak_breakdown"] = peak_breakdown(torch.cuda.memory._snapshot(), base)
+            except Exception as e:  # noqa: BLE001 - said in the record
+                rec["peak_breakdown"] = {"error": f"{type(e).__name__}: {e}"}
             torch.cuda.memory._record_memory_history(enabled=None)
     report = wrapper.checkpointing.report()
     rec.update(host_rss=psutil.Process().memory_info().rss / GB,

@@ -79,11 +79,11 @@ def run_distributed(fn, world_size, *args, timeout=600, backend="gloo"):
 
 
 def run_shared(fn, world_size, *args, timeout=600, kind="plain"):
-    """fn on the session's shared gloo ranks of world_size; every rank's return value.
+    """fn on the session's shared gloo ranks of world_size and kind; every rank's return value.
 
     Starting a rank costs seconds of imports (torch, transformers, DeepSpeed, the test module): a no-op launch of 2
     ranks took 12.7 s on 2 cores, of 4 ranks 24.6 s, and the suite made dozens. Bodies run one after another on
-    one set of ranks per world size instead, each rank running only bodies of one kind:
+    one set of ranks per world size and kind instead (MAX_POOLS of them alive at once), each running bodies of one kind:
       "plain": bodies that compute and communicate over groups they build; no DeepSpeed, Trainer or loop.
       "deepspeed": bodies that start DeepSpeed (an engine, the training loop): each starts its own engine,
         as the main job's tests already did several times in one process.
@@ -94,19 +94,21 @@ def run_shared(fn, world_size, *args, timeout=600, kind="plain"):
     and undoes any patch before it returns. After each body every rank destroys the groups the body created (a
     barrier on each first; through DeepSpeed where it runs, which drops its references too), so the next body
     starts from the default group alone. A body that fails on any rank ends those ranks; the next call starts new
-    ones, as does a call of another kind.
+    ones.
     """
+    key = (world_size, kind)
+
     def once():
-        pool = _POOLS.get(world_size)
-        if pool is not None and pool.kind != kind:
-            _POOLS.pop(world_size).close()
-            pool = None
+        pool = _POOLS.pop(key, None)
         if pool is None:
-            pool = _POOLS[world_size] = _Pool(world_size, kind)
+            while len(_POOLS) >= MAX_POOLS:  # the least recently used set of ranks goes
+                _POOLS.pop(next(iter(_POOLS))).close()
+            pool = _Pool(world_size, kind)
+        _POOLS[key] = pool  # last: the most recently used
         try:
             return pool.run(fn, args, timeout)
         except BaseException:
-            _POOLS.pop(world_size).close(grace_s=5)
+            _POOLS.pop(key).close(grace_s=5)
             raise
 
     return _retry_port(once)
@@ -123,7 +125,11 @@ def _retry_port(call):
                 raise
 
 
-_POOLS = {}  # world_size -> _Pool, for the session
+_POOLS = {}  # (world_size, kind) -> _Pool, for the session, least recently used first
+# Sets of ranks kept alive at once. Test files alternate kinds and world sizes, and a set closed at each switch was
+# started again minutes later (12-25 s each on 2 cores, ~30 times a suite); an idle rank costs only its memory
+# (~0.5 GB with torch, transformers and DeepSpeed imported), so a few sets stay.
+MAX_POOLS = 5
 
 
 class _Pool:

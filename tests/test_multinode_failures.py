@@ -5,17 +5,18 @@ happened. Each test fails when job_watch.py is undone: node 0 then waited in a c
 
 Two simulated nodes (tests/_nodes.py: two torchrun launchers, --nnodes 2, on 127.0.0.1, one working folder each) of two
 ranks, the main job's entry and tiny model. Node 0's launcher hosts the store, as on a cluster. Each launch costs ~30 s
-of start-up on a loaded two-core machine, so there are three, each as short as its fault allows.
+of start-up on a loaded two-core machine, so there are four, each as short as its fault allows, run side by side
+(tests/_launches.py).
 """
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests._launches import Job, launches_fixture
 from tests._nodes import launch_nodes, start_nodes, watch_without_store
 from ulysses_lc.tiny import tiny_text
 from ulysses_lc.train.job_table import RankTable, Report
@@ -28,6 +29,7 @@ ARGS = ["--seq-len", "512", "--no-export", "--output-dir", "run"]
 # whole launch, start-up included (a minute, up to three on a two-core machine running two other suites), gets 300 s.
 HANG_GUARD_S = 120
 LAUNCH_GUARD_S = 300
+LAUNCH_WORKERS = 2  # two-node jobs at a time (tests/_launches.py): six processes each
 
 
 def _cwds(tmp_path: Path) -> list[Path]:
@@ -39,50 +41,11 @@ def _tail(output: str, n: int = 3) -> list[str]:
     return [line.strip() for line in output.splitlines() if line.strip()][-n:]
 
 
-class _Running:
-    """Both nodes' launchers, their output drained as it comes (a full pipe would stall a rank)."""
-
-    def __init__(self, entry, cwds):
-        self.procs = start_nodes(entry, cwds)
-        self.lines = [[] for _ in self.procs]
-        self.ended = [None] * len(self.procs)
-        self.threads = [threading.Thread(target=self._drain, args=(i,), daemon=True) for i in range(len(self.procs))]
-        for t in self.threads:
-            t.start()
-
-    def _drain(self, i):
-        for line in self.procs[i].stdout:
-            self.lines[i].append(line)
-        self.procs[i].wait()
-        self.ended[i] = time.monotonic()
-
-    def wait_for(self, node: int, prefix: str, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(line.startswith(prefix) for line in self.lines[node]):
-            assert time.monotonic() < deadline and self.ended[node] is None, self.output(node)[-4000:]
-            time.sleep(0.2)
-
-    def finish(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        hung = [i for i, p in enumerate(self.procs) if p.poll() is None]
-        for i in hung:
-            from tests._nodes import _kill_tree
-
-            _kill_tree(self.procs[i])
-        assert not hung, f"node(s) {hung} still running after {timeout:.0f} s:\n" + "\n".join(
-            f"--- node {i} ---\n{self.output(i)[-4000:]}" for i in range(len(self.procs)))
-
-    def output(self, node: int) -> str:
-        return "".join(self.lines[node])
-
-
-def test_a_rank_killed_on_node_1_ends_the_job_with_its_cause_on_node_0(tmp_path):
+def _rank_killed_on_node_1_job(tmp):
     import psutil
 
-    job = _Running(["-m", "ulysses_lc.train", "--steps", "40", *ARGS], _cwds(tmp_path))
-    job.wait_for(0, "step 3/")  # rank 0 prints the steps: every rank is in the loop
+    job = Job(start_nodes(["-m", "ulysses_lc.train", "--steps", "40", *ARGS], _cwds(tmp)))
+    job.wait_for("step 3/")  # rank 0 prints the steps: every rank is in the loop
     workers = [p for p in psutil.Process(job.procs[1].pid).children(recursive=True)
                if "ulysses_lc.train" in " ".join(p.cmdline())]
     assert len(workers) == 2, workers
@@ -91,11 +54,16 @@ def test_a_rank_killed_on_node_1_ends_the_job_with_its_cause_on_node_0(tmp_path)
     killed = time.monotonic()
     victim.send_signal(signal.SIGKILL)  # no report of its own: its node's survivor must see it gone
     job.finish(HANG_GUARD_S)
+    return job, rank, victim.pid, killed
+
+
+def test_a_rank_killed_on_node_1_ends_the_job_with_its_cause_on_node_0(launches):
+    job, rank, pid, killed = launches["rank killed on node 1"]
     out = job.output(0)
     print(f"node 0 ended {job.ended[0] - killed:.1f} s after the kill, node 1 {job.ended[1] - killed:.1f} s")
     assert job.procs[0].returncode != 0 and job.procs[1].returncode != 0
     cause = f"error (rank {rank} on node 1, host "
-    said = f"rank {rank} (pid {victim.pid} on host"
+    said = f"rank {rank} (pid {pid} on host"
     assert any(cause in line and said in line and "exited without a report" in line for line in _tail(out)), out
     # Printed once on node 0 (by rank 0), before torchrun's summary, which ends with it.
     assert sum(line.startswith(cause) for line in out.splitlines()) == 1, out
@@ -123,13 +91,17 @@ main(sys.argv[1:])
 """
 
 
-def test_an_exception_on_one_rank_of_node_1_is_node_0s_last_line(tmp_path):
-    script = tmp_path / "failing_rank.py"
+def _exception_on_node_1_job(tmp):
+    script = tmp / "failing_rank.py"
     script.write_text(FAILING_RANK)
     start = time.monotonic()
-    (rc0, out0, _), (rc1, out1, _) = launch_nodes([str(script), "--steps", "12", *ARGS], _cwds(tmp_path),
-                                                 timeout=LAUNCH_GUARD_S)
-    print(f"job ended after {time.monotonic() - start:.1f} s (start-up included)")
+    ended = launch_nodes([str(script), "--steps", "12", *ARGS], _cwds(tmp), timeout=LAUNCH_GUARD_S)
+    return ended, time.monotonic() - start
+
+
+def test_an_exception_on_one_rank_of_node_1_is_node_0s_last_line(launches):
+    ((rc0, out0, _), (rc1, out1, _)), seconds = launches["exception on node 1"]
+    print(f"job ended after {seconds:.1f} s (start-up included)")
     assert rc0 != 0 and rc1 != 0
     message = "RuntimeError: injected failure on rank 3 at step 3"
     cause = "error (rank 3 on node 1, host "
@@ -174,21 +146,26 @@ def test_the_jobs_first_report_prints_at_once_on_a_rank_that_does_not_speak_for_
             "error (rank 3 on node 1): injected failure on rank 3 at step 3"), err
 
 
-def test_a_check_failing_on_node_1_only_ends_node_0_before_any_work(tmp_path):
-    node0, node1 = _cwds(tmp_path)
+def _check_failing_on_node_1_job(tmp):
+    node0, node1 = _cwds(tmp)
     node0.mkdir()
     (node0 / "books.txt").write_text(tiny_text(20_000, seed=1))  # on node 0's disk only
     start = time.monotonic()
-    (rc0, out0, _), (rc1, out1, _) = launch_nodes(["-m", "ulysses_lc.train", "--steps", "2", "--data", "books.txt",
-                                                   *ARGS], [node0, node1], timeout=LAUNCH_GUARD_S)
-    print(f"job ended after {time.monotonic() - start:.1f} s (start-up included)")
+    ended = launch_nodes(["-m", "ulysses_lc.train", "--steps", "2", "--data", "books.txt", *ARGS], [node0, node1],
+                         timeout=LAUNCH_GUARD_S)
+    return tmp, ended, time.monotonic() - start
+
+
+def test_a_check_failing_on_node_1_only_ends_node_0_before_any_work(launches):
+    tmp_path, ((rc0, out0, _), (rc1, out1, _)), seconds = launches["check failing on node 1"]
+    print(f"job ended after {seconds:.1f} s (start-up included)")
     assert rc0 != 0 and rc1 != 0
     cause = "error (rank 2 on node 1, host "
     assert any(cause in line and "books.txt" in line for line in _tail(out0)), out0
     assert sum(line.startswith("error") for line in out0.splitlines()) == 1, out0  # once on node 0: rank 0's
     assert "ulysses_lc run" not in out0 and "step 1/" not in out0, out0  # before the model, DeepSpeed and a step
     assert any(cause in line for line in _tail(out1)), out1  # node 1's speaker says it there too
-    assert not (node0 / "run").exists()  # nothing written by a refused run
+    assert not (_cwds(tmp_path)[0] / "run").exists()  # nothing written by a refused run
 
 
 SLOW_STEPS = """
@@ -213,7 +190,18 @@ main(sys.argv[1:])
 """
 
 
-def test_node_0s_agent_killed_stops_every_rank_at_a_step_with_a_checkpoint_and_node_1_says_why(tmp_path):
+def _node_0s_agent_killed_job(tmp):
+    script = tmp / "slow_steps.py"
+    script.write_text(SLOW_STEPS)
+    job = Job(start_nodes([str(script), "--steps", "40", "--save-every", "0", *ARGS], _cwds(tmp)))
+    job.wait_for("step 3/")
+    agent = job.procs[0].pid
+    job.procs[0].kill()  # in step 4, 8 s long
+    job.finish(HANG_GUARD_S)
+    return tmp, job, agent
+
+
+def test_node_0s_agent_killed_stops_every_rank_at_a_step_with_a_checkpoint_and_node_1_says_why(launches):
     """torchrun's agent on node 0 SIGKILLed (an OOM kill, a node agent's restart) takes the job's store with it; every
     rank lives on. Node 1's ranks ended SETTLE_S (6 s) after the store's loss, within the step, saying only that the
     store was lost: no checkpoint anywhere, and node 0's ranks then lost contact. Now the store's loss asks a stop, as
@@ -221,13 +209,7 @@ def test_node_0s_agent_killed_stops_every_rank_at_a_step_with_a_checkpoint_and_n
     console names node 0's launcher."""
     from ulysses_lc.train.checkpoint_files import verify
 
-    script = tmp_path / "slow_steps.py"
-    script.write_text(SLOW_STEPS)
-    job = _Running([str(script), "--steps", "40", "--save-every", "0", *ARGS], _cwds(tmp_path))
-    job.wait_for(0, "step 3/")
-    agent = job.procs[0].pid
-    job.procs[0].kill()  # in step 4, 8 s long
-    job.finish(HANG_GUARD_S)
+    tmp_path, job, agent = launches["node 0's agent killed"]
     out0, out1 = job.output(0), job.output(1)
     for out in (out0, out1):
         stopped = [line for line in out.splitlines() if line.startswith("stopped at step ")]
@@ -306,3 +288,17 @@ def test_the_store_lost_on_another_node_asks_a_stop_and_names_node_0s_launcher(m
     monkeypatch.setattr(job_watch, "_current", watch)
     assert job_watch.await_cause(0) == ("; the job's store at 10.0.0.1:29500 (node 0's launcher) is gone too: node 0 "
                                         "ended or is unreachable")
+
+
+# -- the launched jobs above, started together (tests/_launches.py) ---------------------------------------------
+
+launches = launches_fixture({
+    "rank killed on node 1": ("test_a_rank_killed_on_node_1_ends_the_job_with_its_cause_on_node_0",
+                              _rank_killed_on_node_1_job),
+    "node 0's agent killed": (
+        "test_node_0s_agent_killed_stops_every_rank_at_a_step_with_a_checkpoint_and_node_1_says_why",
+        _node_0s_agent_killed_job),
+    "exception on node 1": ("test_an_exception_on_one_rank_of_node_1_is_node_0s_last_line", _exception_on_node_1_job),
+    "check failing on node 1": ("test_a_check_failing_on_node_1_only_ends_node_0_before_any_work",
+                                _check_failing_on_node_1_job),
+}, workers=LAUNCH_WORKERS)

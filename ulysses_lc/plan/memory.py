@@ -227,12 +227,54 @@ def plan_bytes(shape: ModelShape, seq_len: int, plan: MemoryPlan, *, sp_size: in
 
 # ZeRO-3's state per parameter: bf16 param (2) + fp32 master (4) + fp32 grad (4) + AdamW's two fp32 moments (8).
 PARAM_BYTES, MASTER_AND_GRAD_BYTES, ADAM_MOMENT_BYTES = 2, 8, 8
+# Offloaded, DeepSpeed's ZeRO-3 (deepspeed/runtime/zero/stage3.py, 0.19.8) holds two fp32 gradient copies on the host:
+# the flat partition buffer the reduce-scatter writes (grad_partitions_flat_buffer) and each optimizer sub-group's
+# own (.grad of its fp32 partition), beside the fp32 master and AdamW's moments; offload_param keeps the bf16
+# partitions in one flat buffer per parameter group. With pin_memory (the shipped configs) the gradient and bf16
+# buffers are pinned through torch's caching host allocator, which rounds each block up to a power of two
+# (aten/src/ATen/core/CachingHostAllocator.h, PowerOf2Ceil; github.com/pytorch/pytorch/pull/171662). For 1.27 B
+# parameters on one rank that is 34.5 GB where 18 bytes a parameter said 22.8: the Llama-3.1-8B shape cut to one
+# layer held 37.4 GB of RSS before its step on one H200, 38.6 predicted with the process's 3.0
+# (benchmarks/results/2026-12-03/longest_refit, BENCHMARKS.md), fitted on nothing: DeepSpeed's buffers as written.
+OFFLOAD_GRAD_COPIES = 2
+DEEPSPEED_SUB_GROUP_SIZE = 10**9  # zero_optimization.sub_group_size's default (elements)
+
+
+def pinned_block_bytes(nbytes: int, pinned: bool = True) -> int:
+    """Host bytes a buffer of `nbytes` holds: pinned through torch's caching host allocator, the next power of two."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 1 else nbytes
+
+
+def zero3_offload_host_bytes(trainable_per_rank: int, frozen_per_rank: int, off_opt: bool, off_param: bool,
+                             pin_opt: bool = True, pin_param: bool = True,
+                             sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE) -> int:
+    """Host bytes per rank of ZeRO-3's offloaded buffers (above): the optimizer's fp32 master and moments, its two
+    gradient copies (the flat one whole, the sub-groups' of at most sub_group_size elements each), pinned and rounded
+    where pin_opt; the bf16 partitions with offload_param, the trained ones one flat buffer (rounded where
+    pin_param), the frozen ones (a LoRA base) at their size."""
+    host = 0
+    if off_opt and trainable_per_rank:
+        fp32 = 4
+        host += (MASTER_AND_GRAD_BYTES - fp32 + ADAM_MOMENT_BYTES) * trainable_per_rank  # master + moments
+        host += pinned_block_bytes(fp32 * trainable_per_rank, pin_opt)  # the flat gradient buffer
+        full, rest = divmod(trainable_per_rank, max(1, int(sub_group_size)))
+        host += full * pinned_block_bytes(fp32 * int(sub_group_size), pin_opt) + pinned_block_bytes(fp32 * rest, pin_opt)
+    if off_param:
+        host += pinned_block_bytes(PARAM_BYTES * trainable_per_rank, pin_param) + PARAM_BYTES * frozen_per_rank
+    return host
+
+
+def _sub_group_size(zero: dict) -> int:
+    """zero_optimization.sub_group_size as DeepSpeed takes it (1e9 in JSON is a float; "auto" is not DeepSpeed's)."""
+    value = zero.get("sub_group_size", DEEPSPEED_SUB_GROUP_SIZE)
+    return int(value) if isinstance(value, (int, float)) and value >= 1 else DEEPSPEED_SUB_GROUP_SIZE
 
 
 def zero3_state_bytes(num_params: int, world_size: int, ds_config: dict,
                       trainable_params: int | None = None) -> tuple[int, int]:
     """(device, host) bytes per rank of ZeRO-3's partitioned state, all of it partitioned over `world_size`;
-    offload_optimizer moves the fp32 master, grads and moments to the host, offload_param the bf16 params too.
+    offload_optimizer moves the fp32 master, grads and moments to the host, offload_param the bf16 params too, in
+    DeepSpeed's buffers (zero3_offload_host_bytes: two gradient copies, pinned blocks rounded up).
 
     trainable_params: of the num_params, those that train (None: all). Frozen weights (a LoRA run's base) keep
     only their bf16 copy: ZeRO-3 gives parameters outside the optimizer no fp32 master, gradient or moments.
@@ -240,10 +282,15 @@ def zero3_state_bytes(num_params: int, world_size: int, ds_config: dict,
     zero = ds_config.get("zero_optimization", {})
     per_rank = -(-num_params // world_size)
     trainable_per_rank = per_rank if trainable_params is None else -(-trainable_params // world_size)
-    off_opt = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    off_param = zero.get("offload_param", {}).get("device", "none") in ("cpu", "nvme")
+    opt_cfg, param_cfg = zero.get("offload_optimizer", {}), zero.get("offload_param", {})
+    off_opt = opt_cfg.get("device", "none") in ("cpu", "nvme")
+    off_param = param_cfg.get("device", "none") in ("cpu", "nvme")
     param, optim = PARAM_BYTES * per_rank, (MASTER_AND_GRAD_BYTES + ADAM_MOMENT_BYTES) * trainable_per_rank
-    return (0 if off_param else param) + (0 if off_opt else optim), (param if off_param else 0) + (optim if off_opt else 0)
+    host = zero3_offload_host_bytes(trainable_per_rank, per_rank - trainable_per_rank, off_opt, off_param,
+                                    pin_opt=bool(opt_cfg.get("pin_memory", False)),
+                                    pin_param=bool(param_cfg.get("pin_memory", False)),
+                                    sub_group_size=_sub_group_size(zero))
+    return (0 if off_param else param) + (0 if off_opt else optim), host
 
 
 def optimizer_reserved_bytes(trainable_params: int, world_size: int) -> int:
@@ -349,4 +396,5 @@ LATER_CONTEXT_BYTES = 10**9
 
 __all__ = ["MemoryPlan", "attention_policy", "can_keep_attention", "measure_foreign_bytes", "measure_free_memory",
            "optimizer_reserved_bytes",
-           "plan_bytes", "plan_memory", "plan_step_memory", "step_terms", "zero3_state_bytes"]
+           "plan_bytes", "plan_memory", "plan_step_memory", "pinned_block_bytes", "step_terms",
+           "zero3_offload_host_bytes", "zero3_state_bytes"]

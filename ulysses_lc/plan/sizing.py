@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import deltanet_time, memory_model
-from .memory import PARAM_BYTES, MemoryPlan, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
+from .memory import PARAM_BYTES, MemoryPlan, _sub_group_size, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
 from .metrics import model_flops_per_step
 from ..mixers.window_attention import rate_vs_causal, resolve_how
 from ..shape import ModelShape, window_pairs
@@ -140,6 +140,10 @@ class Job:
     preference: bool = False
     ranks_per_node: int = 1  # ranks sharing one node's host memory and its launcher
     deltanet: str = "auto"  # the gated DeltaNet layers' path priced: "auto" (deltanet_time.DELTANET_RULE), fla, torch
+    # The offload's pin_memory (optimizer, params) and sub_group_size: DeepSpeed's buffers for them
+    # (memory.zero3_offload_host_bytes). Pinned by default, as the shipped configs are; from_ds_config reads them.
+    offload_pinned: tuple[bool, bool] = (True, True)
+    sub_group_size: int = 10**9
 
     def node_share(self, pinned: int = 0) -> int:
         """Host bytes outside the ranks' processes counted per rank: its share of the node's launcher
@@ -151,15 +155,20 @@ class Job:
     def from_ds_config(cls, shape: ModelShape, num_params: int, world_size: int, sp_size: int, ds_config: dict,
                        **kwargs) -> "Job":
         optimizer, params = zero3_offload(ds_config)
+        zero = ds_config.get("zero_optimization", {})
+        pinned = tuple(bool(zero.get(k, {}).get("pin_memory", False)) for k in ("offload_optimizer", "offload_param"))
+        kwargs.setdefault("offload_pinned", pinned)
+        kwargs.setdefault("sub_group_size", _sub_group_size(zero))
         return cls(shape, num_params, world_size, sp_size, offload_optimizer=optimizer, offload_params=params,
                    **kwargs)
 
     @property
     def ds_zero(self) -> dict:
         """The ZeRO-3 offload settings as a DeepSpeed config (what memory.zero3_state_bytes reads)."""
-        cpu = {"device": "cpu"}
-        return {"zero_optimization": {"stage": 3, **({"offload_optimizer": cpu} if self.offload_optimizer else {}),
-                                      **({"offload_param": cpu} if self.offload_params else {})}}
+        opt, param = ({"device": "cpu", "pin_memory": pin} for pin in self.offload_pinned)
+        return {"zero_optimization": {"stage": 3, "sub_group_size": self.sub_group_size,
+                                      **({"offload_optimizer": opt} if self.offload_optimizer else {}),
+                                      **({"offload_param": param} if self.offload_params else {})}}
 
     def _policy(self):
         keep_attention, groups = attention_policy(self.shape, self.kernel, self.head_groups, self.packed)
@@ -186,8 +195,11 @@ class Job:
                                        deltanet=self.deltanet_path)
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
         return StepMemory(state_gpu, gathered, act_gpu, state_host, act_host, memory_model.HOST_PROCESS_BYTES,
-                          self.node_share(act_host), self.ranks_per_node,
-                          memory_model.allocator_slack(self.shape, self.sp_size))
+                          self.node_share(act_host), self.ranks_per_node, self.slack())
+
+    def slack(self) -> float:
+        """The allocator's slack for this job's steps (memory_model.allocator_slack)."""
+        return memory_model.allocator_slack(self.shape, self.sp_size, self.offload_params)
 
     def budget(self, limits: Limits) -> tuple[float, float]:
         """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
@@ -196,8 +208,10 @@ class Job:
         the run's plan_step (`budget=`) plan within."""
         state_gpu, state_host = self.state_bytes()
         gathered = memory_model.zero3_working_bytes(self.shape.largest_module_params)
-        device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu
-                  - gathered * (1 + memory_model.allocator_slack(self.shape, self.sp_size)))
+        device = (limits.gpu_bytes - memory_model.CONTEXT_BYTES - state_gpu - gathered * (1 + self.slack()))
+        # plan_memory (and the run's plan_step) leave the shape's slack beside the activations; where this job's is
+        # larger (ZeRO-3's parameters offloaded), the budget shrinks to leave the difference too.
+        device *= (1 + memory_model.allocator_slack(self.shape, self.sp_size)) / (1 + self.slack())
         # The pinned activations also cost the node PINNED_NODE_SHARE of themselves: what is left buys less of them.
         host = limits.host_bytes - memory_model.HOST_PROCESS_BYTES - self.node_share() - state_host
         return device, host / (1 + memory_model.PINNED_NODE_SHARE)
