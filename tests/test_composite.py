@@ -59,6 +59,22 @@ def _is_language_model(name: str) -> bool:
     return "language_model" in name or name.startswith("lm_head")
 
 
+def test_sp2_trains_the_language_model_as_the_plain_class():
+    # One body for both lever sets: no lever, and every lever.
+    input_ids, labels = make_sequence(48, seed=3, ignore_prefix=5)
+    lever_sets = {"no_levers": NO_LEVERS, "all_levers": ALL_LEVERS}
+    results = run_shared(sp_worker, 2, COMPOSITE_FAMILIES, input_ids, labels, lever_sets)
+    for family in COMPOSITE_FAMILIES:
+        ref_loss, ref_grads = plain_reference(family, input_ids, labels)
+        for lever_name in lever_sets:
+            for loss, grads, trained in (r[lever_name, family] for r in results):
+                try:
+                    assert_close(loss, grads, ref_loss, ref_grads)
+                except AssertionError as e:
+                    raise AssertionError(f"{family}, {lever_name}: {e}") from None
+                assert trained and all(_is_language_model(n) for n in trained), trained  # the vision tower is frozen
+
+
 def _save_checkpoint(family, folder):
     from ulysses_lc.tiny import tiny_tokenizer
 
@@ -193,21 +209,3 @@ def test_lora_adapts_only_the_language_model():
     assert names and all("language_model" in n for n in names), names
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert count_trainable_parameters(config, lora_config(4))[1] == trainable
-
-
-# Last in the file: the main job's and the Trainer's tests above share the session's "deepspeed" ranks, and this
-# "plain" body leaves plain ranks for the test files after this one (each change of kind starts new ranks).
-def test_sp2_trains_the_language_model_as_the_plain_class():
-    # One body for both lever sets: no lever, and every lever.
-    input_ids, labels = make_sequence(48, seed=3, ignore_prefix=5)
-    lever_sets = {"no_levers": NO_LEVERS, "all_levers": ALL_LEVERS}
-    results = run_shared(sp_worker, 2, COMPOSITE_FAMILIES, input_ids, labels, lever_sets)
-    for family in COMPOSITE_FAMILIES:
-        ref_loss, ref_grads = plain_reference(family, input_ids, labels)
-        for lever_name in lever_sets:
-            for loss, grads, trained in (r[lever_name, family] for r in results):
-                try:
-                    assert_close(loss, grads, ref_loss, ref_grads)
-                except AssertionError as e:
-                    raise AssertionError(f"{family}, {lever_name}: {e}") from None
-                assert trained and all(_is_language_model(n) for n in trained), trained  # the vision tower is frozen

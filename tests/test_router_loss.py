@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import run_distributed, run_shared
+from tests._dist import run_shared
 from tests.models import VOCAB, build
 from tests.test_sp_parity import LOSS_RTOL, assert_close
 from ulysses_lc import IGNORE_INDEX, MemoryPlan, ParallelLayout, SequenceParallelCausalLM, shard_batch
@@ -199,9 +199,7 @@ def test_trainer_loss_holds_the_router_loss(tmp_path):
     model = build("qwen3_moe", **MOE).eval()
     with torch.no_grad():
         ref = sum(model(**{k: torch.tensor([v[i]]) for k, v in rows.items()}).loss.item() for i in range(2)) / 2
-    # Fresh ranks, not the shared ones: a "trainer" body would end the session's 2 shared ranks of another kind (the
-    # test files on either side of this one use plain ones), and each change of kind starts 2 new ranks.
-    for loss in run_distributed(trainer_worker, 2, str(tmp_path), rows):
+    for loss in run_shared(trainer_worker, 2, str(tmp_path), rows, kind="trainer"):
         assert abs(loss - ref) <= LOSS_RTOL * ref, (loss, ref)
 
 
