@@ -64,7 +64,7 @@ def test_dpo_run_margin_rises_resumes_and_exports(tmp_path):
 
 
 def test_dpo_lora_run_against_its_adapters_off(tmp_path):
-    cfg = dpo_config(tmp_path, lora_r=4, steps=4, lr=1e-2)
+    cfg = dpo_config(tmp_path, lora_r=4, steps=3, lr=1e-2)
     records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
     margins = [r["reward_margin"] for r in records]
     assert margins[0] == pytest.approx(0.0, abs=1e-6)  # fresh adapters (B = 0): the policy is the reference
@@ -74,8 +74,9 @@ def test_dpo_lora_run_against_its_adapters_off(tmp_path):
 
 def test_dpo_precomputed_reference_trains_as_the_copy_and_is_read_back_from_the_cache(tmp_path):
     # The precomputed reference is the model as loaded, as the frozen copy is: the same trajectory, without the copy.
-    copy = run_shared(train_worker, 2, dpo_config(tmp_path, steps=3, export=False), kind="deepspeed")[0]
-    pre = dpo_config(tmp_path, steps=3, export=False, dpo_reference="precomputed", output_dir=str(tmp_path / "pre"))
+    # 2 steps: the second's policy has moved from the reference.
+    copy = run_shared(train_worker, 2, dpo_config(tmp_path, steps=2, export=False), kind="deepspeed")[0]
+    pre = dpo_config(tmp_path, steps=2, export=False, dpo_reference="precomputed", output_dir=str(tmp_path / "pre"))
     first = run_shared(train_worker, 2, pre, kind="deepspeed")[0]
     (cached,) = (tmp_path / "cache").glob("dpo-reference-*.pt")
     mtime = cached.stat().st_mtime_ns
@@ -303,9 +304,9 @@ def test_dpo_of_long_pairs_prices_its_documents_as_long():
 def test_dpo_data_parallel_run_each_group_its_own_pairs(tmp_path):
     # sp 1 on 2 ranks: two DP groups, one pair each per step. The precomputed reference must be each group's own
     # pair's (window indexing under DP): it trains the frozen copy's trajectory.
-    base = dict(steps=3, export=False, sp_size=1)
+    base = dict(steps=2, export=False, sp_size=1)
     copy = run_shared(train_worker, 2, dpo_config(tmp_path, **base), kind="deepspeed")[0]
-    assert [r["documents"] for r in copy] == [4, 4, 4]  # 2 pairs a step, over both groups
+    assert [r["documents"] for r in copy] == [4, 4]  # 2 pairs a step, over both groups
     assert copy[0]["loss"] == pytest.approx(np.log(2), abs=1e-6) and copy[-1]["reward_margin"] > 0
     pre = dpo_config(tmp_path, dpo_reference="precomputed", output_dir=str(tmp_path / "pre"), **base)
     precomputed = run_shared(train_worker, 2, pre, kind="deepspeed")[0]

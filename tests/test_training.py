@@ -5,6 +5,7 @@ import os
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from tests._dist import run_shared
@@ -56,9 +57,17 @@ def test_cli_defaults_to_tiny_without_gpu():
     assert (sized.model, sized.seq_len, sized.data) == ("Qwen/Qwen3-8B", 1_048_576, "pg19")
 
 
-def test_train_resume_export(tmp_path):
-    cfg = tiny_config(tmp_path, save_every=2)
-    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The embedded default, 6 steps at 2048 tokens with a checkpoint every 2 and the export: (folder, config,
+    records). Its first loss is also the reference of the run from a local folder."""
+    root = tmp_path_factory.mktemp("tiny-run")
+    cfg = tiny_config(root, save_every=2)
+    return root, cfg, run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+
+
+def test_train_resume_export(tiny_run):
+    tmp_path, cfg, records = tiny_run
     losses = losses_of(records)
     assert all(r["offload_host_gb"] > 0 for r in records)  # checkpointed layer inputs went to the host
     # Real text, 6 steps: the loss must come down clearly from the ~log(257) start.
@@ -157,13 +166,21 @@ EXPECTED = {
 }
 
 
-def test_logged_lr_is_the_one_the_step_used(tmp_path):
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory):
+    """sp_size=1 on 2 ranks (two DP groups train different windows), 4 steps of 256 tokens under a cosine schedule
+    with 2 warmup steps: (config, records), for the logged lr's test and the data-parallel one."""
+    root = tmp_path_factory.mktemp("dp-run")
+    cfg = tiny_config(root, steps=4, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.0, seq_len=256,
+                      export=False, sp_size=1)
+    return cfg, run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+
+
+def test_logged_lr_is_the_one_the_step_used(dp_run):
     # Warmup over 2 steps, then a cosine decay to 0: the logged lr of each step is the schedule's at that step, not
     # the next step's (which the engine's step has already moved the scheduler to): lr/2 on the first, lr/2 on the
     # last (the next step's would be 0).
-    cfg = tiny_config(tmp_path, steps=4, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.0, seq_len=256,
-                      export=False)
-    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
+    cfg, records = dp_run
     schedule = Schedule(cfg)
     expected = [cfg.lr * schedule(step) for step in range(cfg.steps)]
     assert expected == [cfg.lr / 2, cfg.lr, cfg.lr, cfg.lr / 2]
@@ -180,7 +197,7 @@ def test_bad_input_refused_before_heavy_work(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was written by a refused run
 
 
-def test_train_from_local_folder(tmp_path):
+def test_train_from_local_folder(tmp_path, tiny_run):
     # The real loading path (from_pretrained under ZeRO-3's zero.Init, tokenizer from the folder) on a
     # tiny model saved to disk: no hub needed.
     from ulysses_lc.tiny import tiny_tokenizer
@@ -201,16 +218,15 @@ def test_train_from_local_folder(tmp_path):
     # from_pretrained returns eval mode, in which transformers silently skips checkpointing: the run must
     # train in train mode, with the checkpointed inputs offloaded.
     assert all(r["offload_host_gb"] > 0 for r in records)
-    # Same weights as the embedded default with seed 0: the same first loss.
-    one_step = tiny_config(tmp_path, output_dir=str(tmp_path / "t"), steps=1, export=False)
-    tiny = losses_of(run_shared(train_worker, 2, one_step, kind="deepspeed")[0])
+    # Same weights as the embedded default with seed 0: the same first loss (the default's run at 2048 tokens).
+    tiny = losses_of(tiny_run[2])
     assert abs(losses[0] - tiny[0]) <= 1e-5 * tiny[0]
 
 
 def test_optimizer_offload_config(tmp_path):
     # The shipped zero3_offload_optimizer config: DeepSpeed's CPU Adam (built on first use) takes --lr through
     # the "auto" optimizer block and follows the same trajectory as torch AdamW under zero3.json.
-    base = tiny_config(tmp_path, steps=2, export=False, seq_len=1024)
+    base = tiny_config(tmp_path, steps=2, export=False, seq_len=256)
     plain = losses_of(run_shared(train_worker, 2, base, kind="deepspeed")[0])
     offload = replace(base, output_dir=str(tmp_path / "offload"), ds_config="zero3_offload_optimizer")
     offloaded = losses_of(run_shared(train_worker, 2, offload, kind="deepspeed")[0])
@@ -218,18 +234,18 @@ def test_optimizer_offload_config(tmp_path):
     np.testing.assert_allclose(offloaded, plain, rtol=1e-3)
 
 
-def test_data_parallel_run(tmp_path):
+def test_data_parallel_run(dp_run):
     # sp_size=1 on 2 ranks: two DP groups train different windows; the logged loss is their mean.
-    cfg = tiny_config(tmp_path, steps=2, export=False, seq_len=1024, sp_size=1)
-    records = run_shared(train_worker, 2, cfg, kind="deepspeed")[0]
-    assert [r["tokens"] for r in records] == [2048, 2048]
+    cfg, records = dp_run
+    assert [r["tokens"] for r in records] == [512] * 4
     # The first step's loss is the mean of the plain model's losses on windows 0 and 1 (one per DP rank).
     from transformers import AutoModelForCausalLM
 
     from ulysses_lc.data import build_token_stream
     from ulysses_lc.tiny import tiny_tokenizer
 
-    stream = build_token_stream("tiny", tiny_tokenizer(), 1024, num_steps=4, cache_dir=cfg.cache_dir, progress=False)
+    stream = build_token_stream("tiny", tiny_tokenizer(), cfg.seq_len, num_steps=8, cache_dir=cfg.cache_dir,
+                                progress=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_model_config())
     with torch.no_grad():
