@@ -121,6 +121,9 @@ class Killed(Exception):
 
 def _runs_worker(rank, world_size, tmp):
     # On the session's shared ranks: the folder and the stand-in wandb are this body's, and undone after it.
+    # accelerate lists the trackers it finds when first imported: imported first, its list is the rank's own.
+    import accelerate.tracking  # noqa: F401
+
     home, real_wandb = os.getcwd(), sys.modules.get("wandb")
     os.chdir(tmp)
     sys.modules["wandb"] = _fake_wandb(Path(tmp) / "wandb.jsonl")
@@ -197,9 +200,11 @@ def init(**kwargs):
 
 def _fake_wandb(log: Path):
     """A stand-in wandb module (the real one is an optional extra) that writes each call to `log`."""
-    import types
+    import importlib.machinery
+    import importlib.util
 
-    module = types.ModuleType("wandb")
+    # a spec, as an installed module has: accelerate and transformers ask importlib.util.find_spec("wandb")
+    module = importlib.util.module_from_spec(importlib.machinery.ModuleSpec("wandb", None))
     exec(FAKE_WANDB, module.__dict__)
     module.LOG = str(log)
     return module
