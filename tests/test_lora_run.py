@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_distributed, run_shared
 from tests.test_training import losses_of, tiny_config, train_worker
 from ulysses_lc.tiny import tiny_model_config
 from ulysses_lc.train import parse_args
@@ -43,7 +43,7 @@ def test_lora_run_resumes_its_trajectory_and_exports_the_adapter(tmp_path):
     run = tmp_path / "run"
     cfg = tiny_config(tmp_path, model=str(folder), steps=4, save_every=2, keep_checkpoints=0, lr=1e-2, lora_r=4,
                       lora_targets="q_proj,v_proj,down_proj", export_merged=True)
-    losses = losses_of(run_distributed(train_worker, 2, cfg)[0])
+    losses = losses_of(run_shared(train_worker, 2, cfg, kind="deepspeed")[0])
     assert losses[-1] < losses[0], losses
     assert json.loads((run / "run.json").read_text())["lora_r"] == 4
 
@@ -51,7 +51,7 @@ def test_lora_run_resumes_its_trajectory_and_exports_the_adapter(tmp_path):
     # command line without repeating a flag: --model, --lora-r and the rest are the saved run's.
     (run / "checkpoints" / "latest").write_text("step2")
     again = parse_args(["--resume", "--output-dir", str(run), "--no-export"])
-    resumed = losses_of(run_distributed(train_worker, 2, again)[0])
+    resumed = losses_of(run_shared(train_worker, 2, again, kind="deepspeed")[0])
     np.testing.assert_allclose(resumed, losses[2:], rtol=1e-6)
     # The frozen base is not in the checkpoints (it reloads from --model); the adapters and their moments are.
     (states,) = (run / "checkpoints" / "step2").glob("zero_pp_rank_0_*model_states.pt")
@@ -87,6 +87,7 @@ def test_lora_run_resumes_its_trajectory_and_exports_the_adapter(tmp_path):
     one = tmp_path / "one-rank"
     shutil.copytree(run, one, ignore=shutil.ignore_patterns("step3", "step4", "hf_export"))
     (one / "checkpoints" / "latest").write_text("step2")
+    # Fresh: the suite's shared 1-rank pool runs plain bodies here (a DeepSpeed body would make it restart twice).
     resharded = losses_of(run_distributed(train_worker, 1, replace(cfg, output_dir=str(one), resume=True, export=False))[0])
     np.testing.assert_allclose(resharded, losses[2:], rtol=1e-6)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import run_distributed, run_shared
 from ulysses_lc.train import CheckFailed, RunSettings, TrainConfig, preflight, train
 from ulysses_lc.train.run_state import resume_line
 
@@ -45,28 +45,33 @@ def _config(tmp, **overrides):
 
 
 def _saved_run_worker(rank, world_size, tmp):
-    os.chdir(tmp)
-    records = train(_config(tmp, output_dir="full", sp_size=2, global_batch=2, save_every=SAVE_AT))
+    records = train(_config(tmp, output_dir=f"{tmp}/full", sp_size=2, global_batch=2, save_every=SAVE_AT))
     return [r["loss"] for r in records]
+
+
+def _copy_to_resume(full: Path, out: Path, rank: int) -> None:
+    """`full` copied to `out` (rank 0) without the tags after SAVE_AT, `latest` back on step SAVE_AT."""
+    if rank == 0:
+        shutil.copytree(full, out, ignore=shutil.ignore_patterns(*[f"step{s}" for s in range(SAVE_AT + 1, STEPS + 1)]))
+        (out / "checkpoints" / "latest").write_text(f"step{SAVE_AT}")
+    torch.distributed.barrier()
 
 
 def _resume_worker(rank, world_size, tmp, names):
     """Each named resume in its own copy of the saved run, `latest` back on step SAVE_AT; (losses, resume line)."""
-    os.chdir(tmp)
     results = {}
     for name in names:
-        out = Path(name.replace(" ", "_"))
-        if rank == 0:
-            shutil.copytree("full", out, ignore=shutil.ignore_patterns(*[f"step{s}" for s in range(SAVE_AT + 1, STEPS + 1)]))
-            (out / "checkpoints" / "latest").write_text(f"step{SAVE_AT}")
-        torch.distributed.barrier()
+        out = Path(tmp) / name.replace(" ", "_")
+        _copy_to_resume(Path(tmp) / "full", out, rank)
         lines, log = _LogLines(), logging.getLogger("ulysses_lc.train.loop")
+        level = log.level
         log.addHandler(lines)
         log.setLevel(logging.INFO)
-        try:
+        try:  # these ranks run other tests' bodies next: the logger as it was
             records = train(_config(tmp, output_dir=str(out), sp_size=RESUMES[name][1], resume=True))
         finally:
             log.removeHandler(lines)
+            log.setLevel(level)
         results[name] = ([r["loss"] for r in records], [m for m in lines.messages if m.startswith("resumed")])
     return results
 
@@ -89,15 +94,28 @@ def _final_weights(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reshard")
-    losses = run_distributed(_saved_run_worker, 2, str(tmp))[0]
+    losses = run_shared(_saved_run_worker, 2, str(tmp), kind="deepspeed")[0]
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
     return tmp, losses
 
 
-def test_resume_on_other_world_and_sp_sizes_follows_the_uninterrupted_run(saved_run):
+def _four_rank_worker(rank, world_size, tmp, names):
+    return _resume_worker(rank, world_size, tmp, names), _same_world_worker(rank, world_size, tmp)
+
+
+@pytest.fixture(scope="module")
+def on_four_ranks(saved_run):
+    """What the tests below train on 4 ranks, in one start of 4 fresh ranks (each start costs ~25 s of imports on 2
+    cores; the suite's shared 4-rank pool runs plain bodies, which a DeepSpeed body would make restart twice): the
+    saved run's resumes at sp 4 and at sp 2 x dp 2, and the same-world run of _same_world_worker."""
+    tmp, _ = saved_run
+    return run_distributed(_four_rank_worker, 4, str(tmp), ["4 ranks sp 4", "4 ranks sp 2 x dp 2"])[0]
+
+
+def test_resume_on_other_world_and_sp_sizes_follows_the_uninterrupted_run(saved_run, on_four_ranks):
     tmp, losses = saved_run
-    results = run_distributed(_resume_worker, 1, str(tmp), ["1 rank"])[0]
-    results.update(run_distributed(_resume_worker, 4, str(tmp), ["4 ranks sp 4", "4 ranks sp 2 x dp 2"])[0])
+    results = run_shared(_resume_worker, 1, str(tmp), ["1 rank"], kind="deepspeed")[0]
+    results.update(on_four_ranks[0])
     reference = _final_weights(tmp / "full")
     for name, (resumed, lines) in results.items():
         world, sp = RESUMES[name]
@@ -159,27 +177,23 @@ def test_missing_shards_of_the_saved_ranks_are_named_with_the_fix(saved_run, mon
     assert "gather the checkpoint folder onto one file system that every rank reads" in message, message
 
 
-
 def _same_world_worker(rank, world_size, tmp):
     """4 ranks: the uninterrupted run at sp 4 (global batch 2 = ga 2), then its step-SAVE_AT checkpoint resumed on the
     same 4 ranks at sp 2 x dp 2 (ga 1): ZeRO-3 shards as saved, another SP and DP split of each step's sequences."""
-    os.chdir(tmp)
-    full = train(_config(tmp, output_dir="full_sp4", sp_size=4, global_batch=2, save_every=SAVE_AT))
-    out = Path("sp4_to_sp2")
-    if rank == 0:
-        shutil.copytree("full_sp4", out, ignore=shutil.ignore_patterns(*[f"step{s}" for s in range(SAVE_AT + 1, STEPS + 1)]))
-        (out / "checkpoints" / "latest").write_text(f"step{SAVE_AT}")
-    torch.distributed.barrier()
+    full = train(_config(tmp, output_dir=f"{tmp}/full_sp4", sp_size=4, global_batch=2, save_every=SAVE_AT))
+    out = Path(tmp) / "sp4_to_sp2"
+    _copy_to_resume(Path(tmp) / "full_sp4", out, rank)
     resumed = train(_config(tmp, output_dir=str(out), sp_size=2, resume=True))
     return [r["loss"] for r in full], [r["loss"] for r in resumed]
 
 
-def test_resume_on_the_same_world_with_another_sp_size(tmp_path):
+def test_resume_on_the_same_world_with_another_sp_size(saved_run, on_four_ranks):
     """Issue 28, item 5: 4 ranks at sp 4 saved, resumed on 4 ranks at sp 2 x dp 2, on the uninterrupted trajectory."""
-    full, resumed = run_distributed(_same_world_worker, 4, str(tmp_path))[0]
+    tmp, _ = saved_run
+    full, resumed = on_four_ranks[1]
     assert len(full) == STEPS and len(resumed) == STEPS - SAVE_AT
     np.testing.assert_allclose(resumed, full[SAVE_AT:], rtol=LOSS_RTOL)
-    reference, weights = _final_weights(tmp_path / "full_sp4"), _final_weights(tmp_path / "sp4_to_sp2")
+    reference, weights = _final_weights(tmp / "full_sp4"), _final_weights(tmp / "sp4_to_sp2")
     assert weights.keys() == reference.keys()
     for key, ref in reference.items():
         err = float((weights[key] - ref).detach().norm() / ref.detach().norm())

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._dist import _free_port, run_distributed
+from tests._dist import _free_port, run_distributed, run_shared
 from ulysses_lc.parallel.ds_config import CONFIG_NAMES, deepspeed_config_path, load_deepspeed_config
-from ulysses_lc.train import CheckFailed, NonFiniteError, TrainConfig, dry_run, train
+from ulysses_lc.train import CheckFailed, NonFiniteError, TrainConfig, dry_run, parse_args, train
 from ulysses_lc.train.console import RunLogger
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,9 +120,26 @@ class Killed(Exception):
 
 
 def _runs_worker(rank, world_size, tmp):
+    # On the session's shared ranks: the folder and the stand-in wandb are this body's, and undone after it.
+    # accelerate lists the trackers it finds when first imported: imported first, its list is the rank's own.
+    import accelerate.tracking  # noqa: F401
+
+    home, real_wandb = os.getcwd(), sys.modules.get("wandb")
+    os.chdir(tmp)
+    sys.modules["wandb"] = _fake_wandb(Path(tmp) / "wandb.jsonl")
+    try:
+        return _runs(tmp)
+    finally:
+        os.chdir(home)
+        if real_wandb is None:
+            sys.modules.pop("wandb", None)
+        else:
+            sys.modules["wandb"] = real_wandb
+
+
+def _runs(tmp):
     import deepspeed.runtime.engine as ds_engine
 
-    os.chdir(tmp)
     base = TrainConfig(model="tiny", data="tiny", seq_len=512, steps=4, lr=3e-3, cache_dir=f"{tmp}/cache", export=False)
     result = {}
     # Every step saved, two kept.
@@ -160,10 +177,12 @@ def _runs_worker(rank, world_size, tmp):
 
 
 FAKE_WANDB = """
-import json, os
+import json
+
+LOG = None  # the file each call is written to
 
 def _write(*call):
-    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+    with open(LOG, "a") as f:
         f.write(json.dumps(call) + "\\n")
 
 class _Run:
@@ -179,13 +198,20 @@ def init(**kwargs):
 """
 
 
-def test_keep_atomic_save_resume_nonfinite_stop_and_wandb(tmp_path, monkeypatch):
-    # A stand-in wandb package (the real one is an optional extra); spawned ranks inherit this sys.path.
-    (tmp_path / "fake").mkdir()
-    (tmp_path / "fake" / "wandb.py").write_text(FAKE_WANDB)
-    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
-    monkeypatch.setenv("FAKE_WANDB_LOG", str(tmp_path / "wandb.jsonl"))
-    result = run_distributed(_runs_worker, 2, str(tmp_path))[0]
+def _fake_wandb(log: Path):
+    """A stand-in wandb module (the real one is an optional extra) that writes each call to `log`."""
+    import importlib.machinery
+    import importlib.util
+
+    # a spec, as an installed module has: accelerate and transformers ask importlib.util.find_spec("wandb")
+    module = importlib.util.module_from_spec(importlib.machinery.ModuleSpec("wandb", None))
+    exec(FAKE_WANDB, module.__dict__)
+    module.LOG = str(log)
+    return module
+
+
+def test_keep_atomic_save_resume_nonfinite_stop_and_wandb(tmp_path):
+    result = run_shared(_runs_worker, 2, str(tmp_path), kind="deepspeed")[0]
     calls = [json.loads(line) for line in (tmp_path / "wandb.jsonl").read_text().splitlines()]
     assert calls[0] == ["init", "p", "full"] and calls[-1] == ["finish"]  # rank 0 only: one run
     assert [c[2] for c in calls[1:-1]] == result["losses"] and [c[1] for c in calls[1:-1]] == [1, 2, 3, 4]
@@ -318,6 +344,26 @@ def test_dry_run_predicts_without_loading(tmp_path, monkeypatch):
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 36
 
 
+def _train_in(rank, world_size, cwd, cfg):
+    """train(cfg) run from the folder `cwd` (relative paths as a job started there reads them) with one thread, as
+    _env gives a launched job's ranks (the same sums); then the folder and threads back, for the next body."""
+    import torch
+
+    home, threads, given = os.getcwd(), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return train(cfg)
+    finally:
+        os.chdir(home)
+        torch.set_num_threads(threads)
+        if given is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = given
+
+
 # -- g. faults ----------------------------------------------------------------------------------------------
 
 def test_sigkill_of_a_rank_ends_the_job_and_resume_replays_it(tmp_path):
@@ -348,8 +394,10 @@ def test_sigkill_of_a_rank_ends_the_job_and_resume_replays_it(tmp_path):
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         logged.setdefault(record["step"], record["loss"])
-    resumed, _ = _launch([*args[:-2], "--output-dir", "run", "--resume", "--steps", str(max(logged) + 1)], tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # The resume is the main job's own (its launcher is not what this checks): on the session's shared ranks, from
+    # the same folder and flags.
+    resume = parse_args([*args[:-2], "--output-dir", "run", "--resume", "--steps", str(max(logged) + 1)])
+    run_shared(_train_in, 2, str(tmp_path), resume, kind="deepspeed")
     start = int((tmp_path / "run" / "checkpoints" / "latest").read_text()[4:])  # after the resumed run: its end
     replayed = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][len(logged):]
     assert replayed and start == max(logged) + 1
@@ -377,74 +425,98 @@ def test_resume_with_other_settings_is_refused_and_another_world_or_sp_size_is_n
         preflight(RunSettings(replace(cfg, sp_size=4)), 4)
 
 
-def _main_worker(rank, world_size):
-    import torch.distributed as dist
-
-    import ulysses_lc.train.loop as loop
-    from ulysses_lc.train import main
-
-    loop.train = lambda cfg: None  # the loop itself is tested above; here only what main does around it
-    main(["--steps", "1"])
-    return dist.is_initialized()
-
-
-def test_main_destroys_the_process_group_at_exit():
-    # With NCCL, ranks that exit with their group alive print TCPStore "Failed to recv" warnings (gloo is silent,
-    # so this checks the teardown itself).
-    assert run_distributed(_main_worker, 2) == [False, False]
-
-
 _HELD = []  # a script's module-level layout: held until the interpreter is torn down
 
 
-def _pending_collectives_worker(rank, world_size):
+def _exit_worker(rank, world_size):
+    """Collectives left pending on a group of a held layout, then main() around a stubbed loop; whether a group is
+    left. run_distributed's ranks end with destroy_distributed and a full interpreter exit, and an exit code other
+    than 0 fails the run."""
     import torch
+    import torch.distributed as dist
 
+    import ulysses_lc.train.loop as loop
     from ulysses_lc import ParallelLayout
+    from ulysses_lc.train import main
 
     layout = ParallelLayout.build(world_size)
     _HELD.append(layout)
     for _ in range(200):  # handles and tensors dropped at once, as a step's own collectives are
         torch.distributed.all_reduce(torch.ones(100_000), group=layout.sp_group, async_op=True)
-    return True
+    loop.train = lambda cfg: None  # the loop itself is tested above; here only what main does around it
+    main(["--steps", "1"])
+    return dist.is_initialized()
 
 
-def test_collectives_pending_on_a_group_still_end_cleanly():
-    # run_distributed's ranks end with destroy_distributed and a full interpreter exit, and an exit code other
-    # than 0 fails the test: a barrier on the default group alone left these collectives to gloo's workers
-    # during interpreter teardown, and 7 launches of 8 aborted ("terminate called without an active exception").
-    assert run_distributed(_pending_collectives_worker, 2) == [True, True]
+def test_main_and_pending_collectives_end_the_process_group_cleanly():
+    # Two checks of how ranks end, in one start of 2 fresh ranks (a start costs ~13 s of imports on 2 cores), each
+    # failing alone. main() destroys the process group at exit: with NCCL, ranks that exit with their group alive
+    # print TCPStore "Failed to recv" warnings (gloo is silent, so this checks the teardown itself). Collectives
+    # pending on a group still end cleanly: a barrier on the default group alone left them to gloo's workers during
+    # interpreter teardown, and 7 launches of 8 aborted ("terminate called without an active exception"), an exit
+    # code run_distributed fails.
+    assert run_distributed(_exit_worker, 2) == [False, False]
 
 
 FAIL_SCRIPT = """
+import json
+import os
 import sys
+
 import ulysses_lc.train.cli as cli
 from ulysses_lc.train import CheckFailed
 
 cli.GRACE_S = cli.LOST_PEER_S = 0  # the waits let the launcher stop this rank first; none here
-errors = {"check": CheckFailed("--x is wrong; pass --y"), "bug": KeyError("boom"),
-          "peer": RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")}
-try:
-    raise errors[sys.argv[1]]
-except BaseException as e:
-    cli._fail(e)
+errors = {"check": lambda: CheckFailed("--x is wrong; pass --y"), "bug": lambda: KeyError("boom"),
+          "peer": lambda: RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")}
+folder, cases = sys.argv[1], json.loads(sys.argv[2])
+for i, (rank, case) in enumerate(cases):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()  # each case a process of its own, as a rank is, after the imports (seconds) were done once
+    if pid == 0:
+        os.environ["RANK"] = rank
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(f"{folder}/{i}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        try:
+            raise errors[case]()
+        except BaseException as e:
+            cli._fail(e)
+        os._exit(99)  # _fail returned
+    status = os.waitpid(pid, 0)[1]
+    with open(f"{folder}/{i}.rc", "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
 """
-
-
-@pytest.mark.parametrize("rank,case,expected", [
+FAILURES = [
     ("0", "check", ["error: --x is wrong; pass --y"]),
     ("1", "check", []),  # rank 0 reports what every rank found
     ("1", "bug", ["Traceback", "KeyError: 'boom'", "error (rank 1): 'boom'"]),  # a bug: where it is, then what
     ("0", "peer", ["error: lost contact with another rank, which failed or was killed"]),  # no collective's traceback
-])
-def test_each_failure_is_reported_by_one_rank_concisely(rank, case, expected):
-    proc = subprocess.run([sys.executable, "-c", FAIL_SCRIPT, case], env={**_env(), "RANK": rank},
+]
+
+
+@pytest.fixture(scope="module")
+def failure_reports(tmp_path_factory):
+    """Each case of FAILURES failed in a process of its own: (exit code, stdout, stderr) by (rank, case). One Python
+    start for all (forked after its imports), not one each; what the imports printed is part of each case's output,
+    as it was of a process started for the case alone."""
+    folder = tmp_path_factory.mktemp("failures")
+    cases = [(rank, case) for rank, case, _ in FAILURES]
+    proc = subprocess.run([sys.executable, "-c", FAIL_SCRIPT, str(folder), json.dumps(cases)], env=_env(),
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and "[WARNING]" not in line]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {key: (int((folder / f"{i}.rc").read_text()), proc.stdout + (folder / f"{i}.stdout").read_text(),
+                  proc.stderr + (folder / f"{i}.stderr").read_text()) for i, key in enumerate(cases)}
+
+
+@pytest.mark.parametrize("rank,case,expected", FAILURES)
+def test_each_failure_is_reported_by_one_rank_concisely(rank, case, expected, failure_reports):
+    returncode, stdout, stderr = failure_reports[rank, case]
+    assert returncode == 1
+    lines = [line for line in stderr.splitlines() if line.strip() and "[WARNING]" not in line]
     if not expected:
         assert lines == [], lines
     else:
         assert lines[0].startswith(expected[0]) and lines[-1].startswith(expected[-1]), lines
         assert all(any(e in line for line in lines) for e in expected)
-    assert proc.stdout.strip() == "" or "[WARNING]" in proc.stdout
+    assert stdout.strip() == "" or "[WARNING]" in stdout
