@@ -1,13 +1,15 @@
 """Sliding-window and sink families under Ulysses at sp 2 and 4 against single-process transformers.
 
 Tiny Mistral (every layer windowed), Gemma 3 text (local / global layers, final logit soft-capping), gpt-oss
-(sinks on every layer, local / global, MoE) and a Qwen3 config with use_sliding_window, 37 tokens (not divisible by sp): a window of 5, smaller than a shard,
-and one of 24, wider than a shard (at sp 4 it spans three); packed documents against each document alone; at sp 2
-also every lever (chunked loss with the soft-cap, tiled MLP over the MoE, checkpoints offloaded, every layer keeping
-its attention output for the recompute, bf16-saving RMSNorm in each family's form). One body on the session's 4 shared
-ranks runs every case: sp 4, then sp 2 as two data-parallel groups taking alternate cases (each gradient summed over
-its SP group / sp, what ZeRO-3's average over all ranks makes of it). The SP side would pass against a wrong window too if the window did not matter: each family's
-result is also held against the reference with the window one token wider and with no window, and must miss both. Tolerances (fp32, test_sp_parity's): loss 1e-5 relative, every gradient 1e-4 relative norm.
+(sinks on every layer, local / global, MoE) and a Qwen3 config with use_sliding_window, 37 tokens (not divisible by
+sp): a window of 5, smaller than a shard, and one of 24, wider than a shard (at sp 4 it spans three); packed documents
+against each document alone; at sp 2 also every lever (chunked loss with the soft-cap, tiled MLP over the MoE,
+checkpoints offloaded, every layer keeping its attention output for the recompute, bf16-saving RMSNorm in each
+family's form). One body on the session's 4 shared ranks runs every case: sp 4, then sp 2 as two data-parallel groups
+taking alternate cases (each gradient summed over its SP group / sp, what ZeRO-3's average over all ranks makes of
+it). The SP side would pass against a wrong window too if the window did not matter: each family's result is also
+held against the reference with the window one token wider and with no window, and must miss both. Tolerances (fp32,
+test_sp_parity's): loss 1e-5 relative, every gradient 1e-4 relative norm.
 """
 
 import functools
