@@ -3,6 +3,8 @@
 - ```python blocks are whole programs: each runs in a folder of its own, under `torchrun` when its first line is a
   comment naming the command (`# torchrun --nproc_per_node 2 loop.py`), else under `python`.
 - ```bash lines run in a folder of their own (examples/ beside them, as in a checkout), each distinct command once;
+  the dry runs of our console scripts (they load nothing: their imports are their time) each in a process forked
+  from one Python start that imported the installed script's entry point once;
   a line ending in a `# GPU` comment is not run: its flags are parsed by the command's own parser instead. Set-up
   lines (pip, export, printf, cd, mkdocs) and the test command itself are not run here: .ci/run runs them.
 - a ```text block right after a ```bash block is that command's output: its lines (but `...`) are in what the
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -129,15 +132,84 @@ def test_python_block_runs_as_written(block, tmp_path):
     assert result.returncode == 0, f"{block.page}:{block.line} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
 
+def forked_entry(command: str) -> bool:
+    """Whether a command is one of our console scripts with plain arguments and --dry-run (loads nothing, trains
+    nothing): its imports are the whole of its time, so the dry runs share one Python start (dry_run_outputs).
+    Anything with shell syntax, another program, or a name that is not an installed console script runs in bash."""
+    words = command.split()
+    return words[0] in OUR_SCRIPTS and "--dry-run" in words[1:] and not set(command) & set("|&;<>()$`\\*?[]{}~=!")
+
+
+OUR_SCRIPTS = {entry for entry in OUR_ENTRIES if entry.startswith("ulysses-lc-")}  # pyproject's [project.scripts]
+FORK_DRIVER = """
+import importlib
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+import traceback
+
+folder, commands = sys.argv[1], json.loads(sys.argv[2])
+scripts = {ep.name: ep for ep in importlib.metadata.entry_points(group="console_scripts")}
+entries = {name: scripts[name].load() for name in {shlex.split(c)[0] for c in commands}}  # the imports, once
+# and what a dry run imports on its way (python -X importtime: 7 of its 16 s), so that no child repeats it
+for module in ("accelerate.utils.deepspeed", "deepspeed", "transformers.activations", "transformers.masking_utils",
+               "transformers.modeling_utils"):
+    importlib.import_module(module)
+for i, command in enumerate(commands):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()  # each command a process of its own, as from the shell, after the imports
+    if pid == 0:
+        out = os.open(f"{folder}/{i}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        argv = shlex.split(command)
+        sys.argv = argv
+        try:  # what the installed script does, sys.exit(main()), and how Python ends on what it raises
+            sys.exit(entries[argv[0]]())
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    status = os.waitpid(pid, 0)[1]
+    with open(f"{folder}/{i}.rc", "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
+"""
+
+
+@pytest.fixture(scope="module")
+def dry_run_outputs(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """(exit code, output) of each dry-run line, each in a process of its own forked from one Python start that did
+    the imports (seconds each on 2 cores) once, from a folder of its own; what that start printed is part of each."""
+    commands = [c for c in RUNNABLE if forked_entry(c)]
+    folder = workdir(tmp_path_factory.mktemp("dry_runs"))
+    proc = subprocess.run([sys.executable, "-c", FORK_DRIVER, str(folder), json.dumps(commands)], cwd=folder,
+                          env=env_for_runs(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {c: (int((folder / f"{i}.rc").read_text()), proc.stdout + proc.stderr + (folder / f"{i}.out").read_text())
+            for i, c in enumerate(commands)}
+
+
 @pytest.mark.parametrize("command", RUNNABLE)
-def test_shell_command_runs_as_written(command, tmp_path):
-    result = subprocess.run(["bash", "-c", command], cwd=workdir(tmp_path), env=env_for_runs(), capture_output=True,
-                            text=True, timeout=RUN_TIMEOUT_S)
-    output = result.stdout + result.stderr
+def test_shell_command_runs_as_written(command, tmp_path, request):
+    if forked_entry(command):
+        returncode, output = request.getfixturevalue("dry_run_outputs")[command]
+    else:
+        result = subprocess.run(["bash", "-c", command], cwd=workdir(tmp_path), env=env_for_runs(),
+                                capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        returncode, output = result.returncode, result.stdout + result.stderr
     samples = samples_after(command)
     # A sample that shows the command's refusal (a dry run that does not fit) documents exit code 1.
     refused = any(line.lstrip().startswith("error:") for _, sample in samples for line in sample)
-    assert result.returncode == int(refused), f"{command!r} exited {result.returncode}:\n{output[-5000:]}"
+    assert returncode == int(refused), f"{command!r} exited {returncode}:\n{output[-5000:]}"
     for block, sample in samples:
         missing = [line for line in sample if line.strip() not in output]
         assert missing == [], f"{block.page}:{block.line}: the sample output has drifted from the tool's:\n" \
