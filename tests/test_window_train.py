@@ -1,18 +1,17 @@
 """The main job on a local folder of each sliding-window family: Mistral, Gemma 3 text, gpt-oss (sinks, MoE).
 
 Each folder holds a tiny random model (save_pretrained) and the embedded byte tokenizer, as a user's download
-would. One body on the session's 2 shared gloo ranks (sp 2) trains all three in turn on generated text, every lever
-on, then gpt-oss through UlyssesTrainer (the Trainer path: its first logged loss is the plain model's on that
-sequence, 1e-5 relative); the dry run sizes each at 256k tokens from its config alone.
+would. One launch of 2 gloo ranks (sp 2) trains all three in turn on generated text, every lever on, then gpt-oss
+through UlyssesTrainer (the Trainer path: its first logged loss is the plain model's on that sequence, 1e-5
+relative); the dry run sizes each at 256k tokens from its config alone.
 """
 
 import os
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests._dist import run_shared
+from tests._dist import run_distributed
 from tests.models import WINDOW_FAMILIES, build, tiny_config
 from tests.test_hf_trainer import sequences
 from ulysses_lc.tiny import tiny_tokenizer
@@ -37,15 +36,8 @@ def save_models(root):
     return folders
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return save_models(tmp_path_factory.mktemp("models"))
-
-
 def train_worker(rank, world_size, configs, trainer_out):
     import datasets
-    from accelerate.state import AcceleratorState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from tests.test_hf_trainer import sequences, training_args
     from ulysses_lc.integrations.hf_trainer import UlyssesTrainer
@@ -53,21 +45,16 @@ def train_worker(rank, world_size, configs, trainer_out):
     losses = [[r["loss"] for r in train(cfg)] for cfg in configs]
     trainer = UlyssesTrainer(model=build("gpt_oss"), args=training_args(trainer_out, 1), sp_size=2,
                              train_dataset=datasets.Dataset.from_dict({"input_ids": sequences()}))
-    try:
-        trainer.train()
-    finally:  # a "deepspeed" body on shared ranks: the state the Trainer leaves goes with it (as a "trainer" body's)
-        unset_hf_deepspeed_config()
-        AcceleratorState._reset_state(reset_partial_state=True)
+    trainer.train()
     return losses, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_main_job_and_trainer_take_each_window_family(tmp_path, folders):
+def test_main_job_and_trainer_take_each_window_family(tmp_path):
+    folders = save_models(tmp_path)
     configs = [TrainConfig(model=folders[f], data="tiny", seq_len=512, steps=4, lr=3e-3, warmup_steps=1,
                            output_dir=str(tmp_path / f"run-{f}"), cache_dir=str(tmp_path / "cache"), export=False)
                for f in WINDOW_FAMILIES]
-    # The "deepspeed" kind (the body resets the Trainer's state itself): the main job's tests beside it run on the
-    # same ranks, with no new ones started for this body.
-    job_losses, trainer_losses = run_shared(train_worker, 2, configs, str(tmp_path / "trainer"), kind="deepspeed")[0]
+    job_losses, trainer_losses = run_distributed(train_worker, 2, configs, str(tmp_path / "trainer"))[0]
     for family, losses in zip(WINDOW_FAMILIES, job_losses):
         assert losses[-1] < losses[0] - 0.3, (family, losses)  # from ~log(257): the model learns the text
     model = build("gpt_oss").eval()
@@ -77,7 +64,8 @@ def test_main_job_and_trainer_take_each_window_family(tmp_path, folders):
         trainer_losses, plain)
 
 
-def test_dry_run_sizes_each_window_family(folders, capsys):
+def test_dry_run_sizes_each_window_family(tmp_path, capsys):
+    folders = save_models(tmp_path)
     for family in WINDOW_FAMILIES:
         main(["--dry-run", "--model", folders[family], "--world-size", "2", "--seq-len", "262144"])
         out = capsys.readouterr().out
