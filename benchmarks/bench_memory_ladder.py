@@ -215,22 +215,12 @@ def peak_breakdown(snapshot: dict, base: int, top: int = 40) -> dict:
     """What is live at the step's GPU peak, from torch.cuda.memory's recorded history: the allocations made in the step
     and not yet freed at the moment their total was highest, summed by where they were made (the innermost frames in
     ulysses_lc, transformers or DeepSpeed, and the innermost frame). `base`: what was allocated before the step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory_snapshot import peak_live  # the trace's replay, shared with memory_snapshot.py
+
     events = snapshot["device_traces"][0]
-    sizes, total, peak, peak_at = {}, 0, 0, -1
-    for i, e in enumerate(events):
-        if e["action"] == "alloc":
-            sizes[e["addr"]] = e["size"]
-            total += e["size"]
-        elif e["action"] == "free_completed" and e["addr"] in sizes:
-            total -= sizes.pop(e["addr"])
-        if total > peak:
-            peak, peak_at = total, i
-    live = {}
-    for e in events[:peak_at + 1]:
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-        elif e["action"] == "free_completed":
-            live.pop(e["addr"], None)
+    peak, _, live = peak_live(events)
+    peak = max(peak, 0)
 
     def where(frames) -> str:
         ours = [f for f in frames if any(k in f["filename"] for k in ("ulysses_lc/", "transformers/", "deepspeed/"))]
@@ -239,7 +229,7 @@ def peak_breakdown(snapshot: dict, base: int, top: int = 40) -> dict:
         return " < ".join([inner] + named)
 
     groups = {}
-    for e in live.values():
+    for e in live:
         g = groups.setdefault(where(e.get("frames", [])), [0, 0, 0])
         g[0] += e["size"]
         g[1] += 1
