@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import deltanet_time, memory_model
-from .memory import PARAM_BYTES, MemoryPlan, _sub_group_size, attention_policy, plan_bytes, plan_memory, zero3_state_bytes
+from .memory import (DEEPSPEED_SUB_GROUP_SIZE, PARAM_BYTES, MemoryPlan, _sub_group_size, attention_policy, plan_bytes,
+                     plan_memory, zero3_state_bytes)
 from .metrics import model_flops_per_step
 from ..mixers.window_attention import rate_vs_causal, resolve_how
 from ..shape import ModelShape, window_pairs
@@ -143,7 +144,7 @@ class Job:
     # The offload's pin_memory (optimizer, params) and sub_group_size: DeepSpeed's buffers for them
     # (memory.zero3_offload_host_bytes). Pinned by default, as the shipped configs are; from_ds_config reads them.
     offload_pinned: tuple[bool, bool] = (True, True)
-    sub_group_size: int = 10**9
+    sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE
 
     def node_share(self, pinned: int = 0) -> int:
         """Host bytes outside the ranks' processes counted per rank: its share of the node's launcher
