@@ -157,6 +157,9 @@ def test_every_term_is_needed_to_bound_the_measurements(term, monkeypatch):
 # Qwen3-0.6B shape at its longest under a 40 GB cap (issue 44, 602,112 tokens, every layer checkpointed): 2.3 GB, 8.8%
 # of its predicted 25.9 GB, where the plan leaves 5%; the step ran (37.7 GB reserved under the cap).
 SLACK_ABOVE = {"qwen3-30b-a3b-2L@64k", "0.6b-longest-40gb"}
+# ZeRO-3's parameters offloaded, measured before the run gave the allocator's cached memory back at each recompute
+# (release_cached_memory false): up to 13.8% by this measure, the 15% the plan left then; runs now release it.
+SLACK_BEFORE_RELEASE = 0.15
 
 
 def test_allocator_slack_the_plan_leaves_covers_the_measured():
@@ -172,11 +175,15 @@ def test_allocator_slack_the_plan_leaves_covers_the_measured():
         measured = (point["gpu_reserved"] - point["gpu_peak"]) * 1e9 / (act + gathered)
         offload_params = zero3_offload(load_deepspeed_config(point.get("ds_config") or "zero3"))[1]
         share = memory_model.allocator_slack(shape, point["sp"], offload_params)
+        if point.get("release_cached_memory") is False and point["plan"][0]:
+            assert measured <= SLACK_BEFORE_RELEASE, (point["id"], measured)
+            continue
         assert (share >= measured) != (point["id"] in SLACK_ABOVE), (point["id"], share, measured)
         if share == memory_model.DENSE_ONE_GPU_SLACK:
             dense_one_gpu.append(measured)
         elif share == memory_model.OFFLOADED_PARAMS_SLACK:
             offloaded_params.append(measured)
     assert len(dense_one_gpu) >= 10 and memory_model.DENSE_ONE_GPU_SLACK - max(dense_one_gpu) <= 0.01
-    # ZeRO-3's parameters on the host (the Llama-8B cut's three points): 13.6-13.8% by this measure, 15% the plan's.
-    assert len(offloaded_params) >= 3 and memory_model.OFFLOADED_PARAMS_SLACK - max(offloaded_params) <= 0.02
+    # ZeRO-3's parameters on the host, the cached memory given back (the Llama-8B cut's plain step, where nothing is
+    # recomputed, and its two checkpointed steps of 2026-12-04), and the plan's 10% fitted to the largest of them.
+    assert len(offloaded_params) >= 3 and memory_model.OFFLOADED_PARAMS_SLACK - max(offloaded_params) <= 0.01

@@ -203,3 +203,40 @@ def test_memory_plan_arithmetic():
     assert _plan(shape, 1 << 17, 120e9, keep_attention=False).counts == (0, 0, 0)
     # No room beyond one layer's working set: recompute and offload everything.
     assert _plan(shape, 1 << 20, 10e9, keep_attention=False).counts == (28, 0, 0)
+
+
+def test_release_cached_memory_comes_at_each_recompute_and_attention_backward_and_changes_nothing(
+        references, monkeypatch):
+    """release_cached_memory: torch.cuda.empty_cache once at each checkpointed layer's recompute and once before its
+    attention backward (the layer's peaks), not in the forward, not for plain layers; gradients bitwise as without.
+    Off CUDA the call is a no-op, so the test counts the calls the handle makes through a stand-in."""
+    import ulysses_lc.levers.cached_memory as cached_memory
+
+    _, (ckpt_loss, ckpt_grads) = references
+    events = []
+    monkeypatch.setattr(cached_memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cached_memory.torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(cached_memory.torch.cuda, "empty_cache", lambda: events.append("release"))
+    model = _model()
+    handle = install_checkpointing(model, offload=True, min_offload_bytes=0, recompute_layers=2)
+    for layer in model.model.layers:  # the order the calls come in: recompute (forward hook), attention backward
+        layer.self_attn.register_forward_hook(lambda *_: events.append("attention"))
+    handle.configure(release_cached_memory=True)
+    input_ids = _input_ids()
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    assert "release" not in events  # nothing in the forward
+    events.clear()
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, 128), input_ids[:, 1:].reshape(-1))
+    loss.backward()
+    # Layers 1 then 0 (checkpointed; layer 2 plain): a release before each recompute's attention forward, then one
+    # before its attention backward.
+    assert events == ["release", "attention", "release"] * 2, events
+    assert handle.report()["released_cached_memory"] == 4
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert torch.equal(loss.detach(), ckpt_loss)
+    assert all(torch.equal(grads[n], ckpt_grads[n]) for n in grads)
+    events.clear()
+    handle.configure(release_cached_memory=False)
+    model.zero_grad(set_to_none=True)
+    _loss_and_grads(model, input_ids)
+    assert "release" not in events and handle.report()["released_cached_memory"] == 0

@@ -230,12 +230,16 @@ class SequenceParallelCausalLM(nn.Module):
             "plan_step)",
         ]
 
-    def use_plan(self, plan: MemoryPlan) -> None:
-        """Change the memory plan between steps (every rank the same plan: ranks that differ deadlock)."""
+    def use_plan(self, plan: MemoryPlan, release_cached_memory: bool | None = None) -> None:
+        """Change the memory plan between steps (every rank the same plan: ranks that differ deadlock).
+        release_cached_memory: give the CUDA allocator's cached memory back before each checkpointed layer's
+        recompute and attention backward (CheckpointHandle.configure); sizing.Job.release_cached_memory says
+        whether a job's plan counts on it (ZeRO-3's parameters offloaded). None leaves it as it is."""
         if self.checkpointing is None:
             raise ValueError("this model was built with checkpointing=False; a memory plan has nothing to change.")
         self.checkpointing.configure(recompute_layers=plan.recompute_layers, keep_on_gpu=plan.keep_on_gpu,
-                                     cache_attention_layers=plan.cache_attention_layers)
+                                     cache_attention_layers=plan.cache_attention_layers,
+                                     release_cached_memory=release_cached_memory)
         self.plan = plan
 
     @property

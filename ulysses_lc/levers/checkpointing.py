@@ -2,39 +2,37 @@
 
 Legend: shape.py (hidden_bse is a layer input on this rank: batch, s_local, hidden size).
 
-With non-reentrant checkpointing each decoder layer keeps only its input hidden_bse for backward (the
-recompute rebuilds the rest). At long sequence those inputs, one per layer, are the largest thing left on the
-device, and nothing reads them until backward reaches their layer. So we copy them to (pinned) host memory as
-the forward saves them and bring them back just before the backward recomputes their layer.
+With non-reentrant checkpointing each decoder layer keeps only its input hidden_bse for backward (the recompute
+rebuilds the rest). At long sequence those inputs, one per layer, are the largest thing left on the device, and
+nothing reads them until backward reaches their layer. So we copy them to (pinned) host memory as the forward saves
+them and bring them back just before the backward recomputes their layer.
 
-How the tensors are found: we wrap each layer's `torch.utils.checkpoint.checkpoint` call in
-`saved_tensors_hooks`. Non-reentrant checkpoint saves its positional tensor arguments (the layer input) under
-our hooks, and everything the layer computes inside under its own, inner hooks, so our pack hook sees only the
-layer input. Keyword tensors such as the rotary cos/sin and the attention mask are captured by the layer's
-closure and shared across layers; they never reach the hook. Parameters and tensors below `min_offload_bytes`
-stay where they are.
+How the tensors are found: we wrap each layer's `torch.utils.checkpoint.checkpoint` call in `saved_tensors_hooks`.
+Non-reentrant checkpoint saves its positional tensor arguments (the layer input) under our hooks, and everything the
+layer computes inside under its own, inner hooks, so our pack hook sees only the layer input. Keyword tensors such as
+the rotary cos/sin and the attention mask are captured by the layer's closure and shared across layers; they never
+reach the hook. Parameters and tensors below `min_offload_bytes` stay where they are.
 
-Overlap (CUDA): forward copies device -> pinned host on a side stream (host_pool.HostRoundTrip), overlapping the
-next layers' compute. Backward walks layers last to first. When
-layer i's attention block has finished its backward (a hook on the block's input gradient; the block is where
-one layer's working set peaks), we queue the host -> device copy of layer i-1's tensors on the side stream, so
-it runs under the rest of layer i's backward and adds nothing to the peak; layer i-1's unpack then only makes
-the compute stream wait for that copy's event. (Layers without a `self_attn` block get the copy queued when
-layer i's recompute starts.) The last `keep_on_gpu` layers, needed first in backward, are not offloaded at
-all.
+Overlap (CUDA): forward copies device -> pinned host on a side stream (host_pool.HostRoundTrip), overlapping the next
+layers' compute. Backward walks layers last to first. When layer i's attention block has finished its backward (a hook
+on the block's input gradient; the block is where one layer's working set peaks), we queue the host -> device copy of
+layer i-1's tensors on the side stream, so it runs under the rest of layer i's backward and adds nothing to the peak;
+layer i-1's unpack then only makes the compute stream wait for that copy's event. (Layers without a `self_attn` block
+get the copy queued when layer i's recompute starts.) The last `keep_on_gpu` layers, needed first in backward, are not
+offloaded at all.
 
-Host memory: exact-size buffers page-locked with cudaHostRegister, reused from step to step (host_pool.py);
-torch's pinned allocator would round each up to a power of two.
+Host memory: exact-size buffers page-locked with cudaHostRegister, reused from step to step (host_pool.py); torch's
+pinned allocator would round each up to a power of two.
 
 Kept attention outputs (`cache_attention_layers`): each layer call runs inside a `LayerRun` entered in the
-`RecomputeContext` this handle was given (recompute.py). The attention function (attention.py), handed the
-same context, finds the run of its layer there, keeps the kernel's output and log-sum-exp with `run.stash`
-during the forward (the same pack path as the layer input, so offloaded layers keep them in host memory) and
-takes them back with `run.unstash` in the recompute instead of running the kernel.
+`RecomputeContext` this handle was given (recompute.py). The attention function (attention.py), handed the same
+context, finds the run of its layer there, keeps the kernel's output and log-sum-exp with `run.stash` during the
+forward (the same pack path as the layer input, so offloaded layers keep them in host memory) and takes them back with
+`run.unstash` in the recompute instead of running the kernel.
 
-Without CUDA the same hooks run: the pack copies into a separate CPU buffer and the stream and event
-operations are skipped, so CPU tests exercise the code path. Copies are exact, so gradients are bitwise equal
-to checkpointing without offload.
+Without CUDA the same hooks run: the pack copies into a separate CPU buffer and the stream and event operations are
+skipped, so CPU tests exercise the code path. Copies are exact, so gradients are bitwise equal to checkpointing
+without offload.
 """
 
 import functools
@@ -46,6 +44,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..handle import Handle
+from .cached_memory import CachedMemoryRelease
 from .host_pool import HostRoundTrip
 from ..layers import checkpointable_layers
 from ..recompute import LayerRun, RecomputeContext
@@ -107,6 +106,7 @@ class CheckpointHandle(Handle):
         self.keep_on_gpu = keep_on_gpu
         self.recompute_layers = len(self.layers)
         self.cache_attention_layers = 0
+        self._release = CachedMemoryRelease()  # configure(release_cached_memory=...)
         self.min_offload_bytes = min_offload_bytes
         self.checkpoint_kwargs = checkpoint_kwargs
         self.host_bytes = 0
@@ -128,11 +128,11 @@ class CheckpointHandle(Handle):
     def _checkpoint_layer(self, index: int, function: Callable, *args):
         last = self._last_saved() if self._last_saved is not None else None
         if last is None or index <= last.index:
-            # A new forward pass: earlier records belong to a graph backward already consumed
-            # (or will consume separately), so start a fresh chain and a fresh byte count.
+            # A new forward pass: earlier records belong to a graph backward already consumed (or will consume
+            # separately), so start a fresh chain and a fresh byte count.
             last = None
             self.host_bytes = 0
-            self.prefetched_copies = self.waited_copies = 0
+            self.prefetched_copies = self.waited_copies = self._release.released = 0
             self._pool.new_pass()
         keep = not self.offload or index >= self.recompute_layers - self.keep_on_gpu
         keep_attention = index >= self.recompute_layers - self.cache_attention_layers
@@ -143,6 +143,8 @@ class CheckpointHandle(Handle):
 
         def run(*inner):
             # The checkpoint calls this twice: forward, then recompute during backward.
+            if saved.calls:
+                self._release()  # before the recompute's working set
             with self.context.enter(saved):
                 return function(*inner)
 
@@ -154,9 +156,9 @@ class CheckpointHandle(Handle):
     # ---- saved-tensor hooks ----
 
     def _pack(self, saved: _LayerSaved, tensor: torch.Tensor):
-        """Forward: keep a layer input (or a kept attention output) in host memory; the device tensor is
-        then free to go once the layer's graph no longer needs it. Keeps kept-layer, parameter and small
-        tensors on their device as they are."""
+        """Forward: keep a layer input (or a kept attention output) in host memory; the device tensor is then free to go
+        once the layer's graph no longer needs it. Keeps kept-layer, parameter and small tensors on their device as
+        they are."""
         nbytes = tensor.numel() * tensor.element_size()
         # Empty tensors: torch's checkpoint (2.11) saves a 0-element CPU dummy next to the inputs.
         if saved.keep or nbytes == 0 or isinstance(tensor, nn.Parameter) or nbytes < self.min_offload_bytes:
@@ -171,9 +173,9 @@ class CheckpointHandle(Handle):
         return saved, len(saved.host) - 1, None
 
     def _unpack(self, packed):
-        """Backward: hand the recompute its input back on the device. Unless the layer signals a later
-        moment (`_attention_block_backward_done`), start bringing the previous layer's tensors back now,
-        under this layer's recompute and backward."""
+        """Backward: hand the recompute its input back on the device. Unless the layer signals a later moment
+        (`_attention_block_backward_done`), start bringing the previous layer's tensors back now, under this layer's
+        recompute and backward."""
         saved = packed[0]
         tensor = self._fetch(packed)
         if not saved.signals_prefetch:
@@ -200,8 +202,8 @@ class CheckpointHandle(Handle):
             self._copy_to_device(saved)
 
     def _copy_to_device(self, saved: _LayerSaved) -> None:
-        """Queue host -> device copies of all of `saved`'s offloaded tensors, then give their host buffers
-        back to the pool. A second backward through the same graph (retain_graph=True) is refused."""
+        """Queue host -> device copies of all of `saved`'s offloaded tensors, then give their host buffers back to the
+        pool. A second backward through the same graph (retain_graph=True) is refused."""
         if saved.prefetched and not saved.host:
             raise RuntimeError(
                 "offloaded activations were already brought back for one backward; a second backward through "
@@ -212,21 +214,20 @@ class CheckpointHandle(Handle):
             saved.h2d_event = event
         saved.on_device = on_device
         saved.prefetched = True
-        # The host copies are done with: their buffers go back to the pool now, not when the record dies
-        # with its graph (a training loop holds the last loss, and with it the graph, into the next
-        # forward, which would then find no free buffer and pin a second set). The next copy into a buffer
-        # queues behind this one on the same side stream.
+        # The host copies are done with: their buffers go back to the pool now, not when the record dies with its
+        # graph (a training loop holds the last loss, and with it the graph, into the next forward, which would then
+        # find no free buffer and pin a second set). The next copy into a buffer queues behind this one on the same
+        # side stream.
         saved.host = []
         self._pool.give(saved.buffers)
 
     # ---- the prefetch signal: a hook on each layer's attention block ----
 
     def _attention_input(self, index: int, module, args, kwargs):
-        """Forward pre-hook on each layer's attention block: hook its input (the normed hidden states), whose
-        gradient exists once the block's whole backward (attention, q/k/v norms and RoPE, the projections)
-        is done. Registered on the forward's tensors: non-reentrant checkpoint runs the backward of the
-        forward's graph, with saved tensors from the recompute; the recompute's own graph never runs
-        backward."""
+        """Forward pre-hook on each layer's attention block: hook its input (the normed hidden states), whose gradient
+        exists once the block's whole backward (attention, q/k/v norms and RoPE, the projections) is done. Registered
+        on the forward's tensors: non-reentrant checkpoint runs the backward of the forward's graph, with saved
+        tensors from the recompute; the recompute's own graph never runs backward."""
         saved = self.context.running(index)
         if not isinstance(saved, _LayerSaved) or saved._handle is not self or not torch.is_grad_enabled():
             return None
@@ -237,13 +238,21 @@ class CheckpointHandle(Handle):
         return None
 
     def _attention_block_backward_done(self, saved: _LayerSaved, grad):
-        """Bring the previous layer's tensors back now. A layer's backward peaks in its attention block
-        (the attention backward with its fp32 accumulator, then the q/k norm and RoPE backward in fp32);
-        what is left (the input norm's backward) is small, so the prefetched copy adds nothing to the peak.
-        The copy then overlaps little compute: ~2 bytes x hidden per token at ~25 GB/s, against a layer
-        recompute of ~0.2 s at 64k tokens and far more beyond (attention is quadratic, the copy linear)."""
+        """Bring the previous layer's tensors back now. A layer's backward peaks in its attention block (the attention
+        backward with its fp32 accumulator, then the q/k norm and RoPE backward in fp32); what is left (the input
+        norm's backward) is small, so the prefetched copy adds nothing to the peak. The copy then overlaps little
+        compute: ~2 bytes x hidden per token at ~25 GB/s, against a layer recompute of ~0.2 s at 64k tokens and far
+        more beyond (attention is quadratic, the copy linear)."""
         self._prefetch(saved.prev)
         saved.prev = None  # the chain is not needed past this point; let finished records go
+        return None
+
+    def _attention_output(self, index: int, module, args, output):
+        """Forward hook on the attention block: in a checkpointed layer's recompute, release the cached device memory
+        just before its attention backward (cached_memory.py)."""
+        saved = self.context.running(index)
+        if isinstance(saved, _LayerSaved) and saved._handle is self and saved.calls == 1 and torch.is_grad_enabled():
+            self._release.before_backward_of(output)
         return None
 
     # ---- public ----
@@ -262,11 +271,12 @@ class CheckpointHandle(Handle):
             "pinned": self.pinned,
             "prefetched_copies": self.prefetched_copies,
             "waited_copies": self.waited_copies,
+            "released_cached_memory": self._release.released,
         }
 
     def configure(
         self, *, recompute_layers: int | None = None, keep_on_gpu: int | None = None,
-        cache_attention_layers: int | None = None,
+        cache_attention_layers: int | None = None, release_cached_memory: bool | None = None,
     ) -> None:
         """Change the layers' plan between steps (memory.MemoryPlan's fields; SequenceParallelCausalLM.use_plan).
 
@@ -279,6 +289,8 @@ class CheckpointHandle(Handle):
             memory when offloaded). Needs ulysses_lc's attention handed this handle's `context`
             (UlyssesAttention(recompute=...), as SequenceParallelCausalLM does) and the cuDNN or FLASH SDPA
             backend (the CPU kernel on CPU); elsewhere those layers recompute attention as usual.
+        release_cached_memory: torch.cuda.empty_cache() at each checkpointed layer's recompute and before its
+            attention backward (slack ~10%, not 15%: memory_model.OFFLOADED_PARAMS_SLACK). No-op off CUDA.
         None leaves a setting as it is. Every rank of a run must use the same plan: recompute repeats the
         layer's collectives (Ulysses all-to-all, ZeRO-3 gathers), so ranks that differ would deadlock.
         """
@@ -295,6 +307,8 @@ class CheckpointHandle(Handle):
         if not 0 <= cache <= recompute:
             raise ValueError(f"cache_attention_layers={cache} must be in [0, recompute_layers={recompute}].")
         self.recompute_layers, self.keep_on_gpu, self.cache_attention_layers = recompute, keep, cache
+        if release_cached_memory is not None:
+            self._release.enabled = bool(release_cached_memory)
         self.host_bytes = 0  # counts the next forward pass, under the new plan
         self._pool.release()  # free buffers sized for the old plan; those in use come back for reuse
         for index, layer in enumerate(self.layers):
@@ -344,10 +358,9 @@ def install_checkpointing(
         layers can keep their attention output (a new one when None: `handle.context`).
     checkpoint_kwargs: extra arguments for torch.utils.checkpoint.checkpoint (non-reentrant only).
 
-    We set the layers' `gradient_checkpointing` / `_gradient_checkpointing_func` directly
-    rather than through `model.gradient_checkpointing_enable`: that entry point was renamed
-    between the transformers versions we support (deprecated for `activation_checkpointing_enable`
-    in 5.24), and it also installs an input-embedding hook that only reentrant checkpointing needs.
+    We set the layers' `gradient_checkpointing` / `_gradient_checkpointing_func` directly, not through
+    `model.gradient_checkpointing_enable`: renamed in transformers 5.24 (`activation_checkpointing_enable`), it also
+    installs an input-embedding hook that only reentrant checkpointing needs.
     """
     layers = checkpointable_layers(model)
     checkpoint_kwargs = dict(checkpoint_kwargs or {})
@@ -375,6 +388,7 @@ def install_checkpointing(
         if isinstance(block, nn.Module):
             hook = functools.partial(handle._attention_input, index)
             handle._hooks.append(block.register_forward_pre_hook(hook, with_kwargs=True))
+            handle._hooks.append(block.register_forward_hook(functools.partial(handle._attention_output, index)))
     return handle
 
 

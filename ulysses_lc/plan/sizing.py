@@ -202,6 +202,12 @@ class Job:
         """The allocator's slack for this job's steps (memory_model.allocator_slack)."""
         return memory_model.allocator_slack(self.shape, self.sp_size, self.offload_params)
 
+    @property
+    def release_cached_memory(self) -> bool:
+        """Whether this job's steps give the allocator's cached memory back at each checkpointed layer's recompute
+        (CheckpointHandle.configure): where ZeRO-3's parameters are offloaded, which the slack above counts on."""
+        return self.offload_params
+
     def budget(self, limits: Limits) -> tuple[float, float]:
         """(device, host) bytes per rank a step's activations may take within `limits`: what the CUDA context, the
         ZeRO-3 state and its gathered weights (with their allocator slack), the host process and its share of the

@@ -197,7 +197,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     model.probe_attention(device, model_settings.dtype)  # a kernel that refuses this model's call is known first
     plan = model.plan_step(seq_len, device, packed=stream_settings.packed_documents,
                            long_documents=stream_settings.long_documents, **reserve).with_overrides(*run.plan.overrides)
-    model.use_plan(plan)
+    model.use_plan(plan, release_cached_memory=job.release_cached_memory)
     kernels = RunKernels.build(run.output.kernel_cache, cache_vars, job.shape, seq_len, model.deltanet_kernel, layout,
                                device)
     estimate = estimate_memory(run, checked, plan, num_params, limits, ranks_here, uncached=kernels.uncached)
