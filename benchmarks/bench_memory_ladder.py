@@ -72,6 +72,11 @@ RUNGS = {
     "llama-8b-1L@768k": ("llama-3.1-8b", 768 * K, "zero3_offload_all", 80, 1),
     "llama-8b-1L@1120k": ("llama-3.1-8b", 1120 * K, "zero3_offload_all", 80, 1),
     "llama-8b-1L@1536k": ("llama-3.1-8b", 1536 * K, "zero3_offload_all", 80, 1),  # checkpointed: plan [1, 0, 1]
+    # The allocator's slack at the refit's longest (benchmarks/results/2026-12-04/slack.sh): 1,637,376 tokens reserved
+    # 137.6 GB for 119.9 allocated; 131.8 with the cached memory given back at the recompute (RELEASE_CACHED_MEMORY).
+    "llama-8b-1L@1599k": ("llama-3.1-8b", 1637376, "zero3_offload_all", 80, 1),
+    # Then the cut's longest with the allocator capped at 141 GB (the one-GPU goal's GPU), the 10% slack held out.
+    "llama-8b-1L-longest-141gb": ("llama-3.1-8b", None, "zero3_offload_all", 120, 1, 141),
 }
 SMOKE = {"tiny@512": ("tiny", 512, "zero3", 30), "tiny-offload@512": ("tiny", 512, "zero3_offload_optimizer", 30)}
 WARMUP_TOKENS = 8 * K
@@ -168,6 +173,11 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
                predicted_host=predicted.host / GB, predicted_step_s=job.step_seconds(seq, plan))
     vocab = config.vocab_size
 
+    def phase(name: str):  # the peaks so far, after each phase of the step: where the reserved peak falls
+        if dev.type == "cuda":
+            rec.setdefault("phase_peaks", {})[name] = [torch.cuda.max_memory_allocated(dev) / GB,
+                                                       torch.cuda.max_memory_reserved(dev) / GB]
+
     def step(tokens: int) -> float:
         ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))
         batch = shard_batch(ids, layout, vocab_size=vocab).to(dev).as_kwargs()
@@ -175,17 +185,25 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = engine(**batch)
+        phase("forward")
         engine.backward(loss)
+        phase("backward")
         engine.step()
         rec.setdefault("losses", []).append(float(loss.detach()))
         return time.perf_counter() - t0
 
     wrapper.use_plan(MemoryPlan(0, 0, 0))  # warm-up: optimizer state made, no pinned buffers
     rec["warmup_s"] = step(min(WARMUP_TOKENS, seq))
-    wrapper.use_plan(plan)
+    # The run's way (loop.py): the cached memory given back at each recompute where the job counts on it;
+    # RELEASE_CACHED_MEMORY=0 / 1 overrides, for a step with and without.
+    release = os.environ.get("RELEASE_CACHED_MEMORY")
+    release = job.release_cached_memory if release is None else release == "1"
+    wrapper.use_plan(plan, release_cached_memory=release)
+    rec["release_cached_memory"] = release
     breakdown = os.environ.get("MEMORY_BREAKDOWN") == "1" and dev.type == "cuda"
     rec["host_rss_before_step"] = psutil.Process().memory_info().rss / GB
     if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the warm-up's free pages are not the step's
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         if breakdown:
@@ -205,6 +223,7 @@ def run_rung(name: str, rung, host_gb: float | None, client_adam: bool = False) 
                 rec["peak_breakdown"] = {"error": f"{type(e).__name__}: {e}"}
             torch.cuda.memory._record_memory_history(enabled=None)
     report = wrapper.checkpointing.report()
+    rec["released"] = report.get("released_cached_memory", 0)
     rec.update(host_rss=psutil.Process().memory_info().rss / GB,
                host_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
                pinned=report.get("host_bytes", 0) / GB)
