@@ -214,3 +214,27 @@ def test_the_main_job_keeps_llama3_and_says_so(tmp_path):
     assert "the pretrained llama3 RoPE kept (it covers 131,072 tokens)" in text
     with pytest.raises(ValueError, match="--rope-scaling yarn"):
         dry_run(TrainConfig(**{**cfg.__dict__, "seq_len": 262144}))
+
+
+def test_hub_kernels_are_not_loaded_and_a_kernelized_model_gets_transformers_forwards_back(tmp_path):
+    """transformers 5.25 kernelizes every from_pretrained model by default (use_kernels, with the `kernels` package
+    it now requires): hub kernels replace forwards of layers the levers patch. load_model_for_length loads without
+    them; a model a user loaded with them is reset by SequenceParallelCausalLM (transformers' reset_kernels), not
+    refused, and trains as the plain model does."""
+    from ulysses_lc import ParallelLayout, SequenceParallelCausalLM, shard_batch
+
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(_config()).save_pretrained(tmp_path / "base")
+    assert not load_model_for_length(str(tmp_path / "base"), TRAINED).use_kernels
+    plain = Qwen3ForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa", use_kernels=False)
+    pytest.importorskip("kernels")
+    user = Qwen3ForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa", use_kernels=True)
+    assert user.use_kernels
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    wrapped = SequenceParallelCausalLM(user, layout, checkpointing=False, offload=False)
+    assert wrapped.hub_kernels_reset and not user.use_kernels
+    input_ids = torch.randint(0, 128, (1, TRAINED), generator=torch.Generator().manual_seed(1))
+    expected = plain(input_ids=input_ids, labels=input_ids).loss
+    batch = shard_batch(input_ids, layout, vocab_size=128)
+    loss = wrapped(batch.input_ids, position_ids=batch.position_ids, labels=batch.labels)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)

@@ -43,6 +43,20 @@ def plain_loss_sum(logits_bsv: torch.Tensor, labels_bs: torch.Tensor):
     return loss_sum, (labels_bs != IGNORE_INDEX).sum()
 
 
+def without_hub_kernels(model: nn.Module) -> bool:
+    """Put back transformers' own forwards where the model was kernelized with hub kernels (from_pretrained's
+    use_kernels, on by default from transformers 5.25 where the `kernels` package is installed): those replace
+    forwards of the layers the levers patch (norms, MLPs), and every lever is tested against transformers' torch
+    forwards. `model.use_kernels = False` is transformers' own reset (reset_kernels). Returns whether it reset."""
+    if not getattr(model, "use_kernels", False):
+        return False
+    model.use_kernels = False
+    if getattr(model, "use_kernels", False):
+        raise ValueError("the model was kernelized with hub kernels (use_kernels=True) and transformers could not "
+                         "reset them (is the `kernels` package importable?); load it with use_kernels=False.")
+    return True
+
+
 class SequenceParallelCausalLM(nn.Module):
     """Wraps `model` (a transformers *ForCausalLM, a multimodal *ForConditionalGeneration whose language model
     trains, or a peft PeftModel of either) for sequence-parallel training over `layout`.
@@ -99,6 +113,7 @@ class SequenceParallelCausalLM(nn.Module):
         if plan is not None and not checkpointing:
             raise ValueError("a memory plan chooses which layers are checkpointed; it needs checkpointing=True.")
         check_peft_model(model, chunked_loss=bool(chunked_loss))
+        self.hub_kernels_reset = without_hub_kernels(base_model(model))
         freeze_outside_language_model(base_model(model))
         self.model = model
         self.layout = layout

@@ -21,9 +21,6 @@ def check_trainer_setup(args, model, trainer_kwargs: dict, seq_len: int | None =
         raise ValueError("use_liger_kernel=True replaces the loss and kernels ulysses_lc installs (its fused loss "
                          "and attention do not know the sequence is split); remove it: the chunked loss already "
                          "avoids the [tokens x vocab] logits.")
-    if getattr(model, "use_kernels", False):
-        raise ValueError("the model was loaded with hub kernels (use_kernels=True), which replace layers ulysses_lc "
-                         "patches; load it without use_kernels.")
     for key in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
         if trainer_kwargs.get(key) is not None:
             raise ValueError(f"{key} needs the [tokens x vocab] logits, which ulysses_lc never builds (the loss is "

@@ -253,7 +253,8 @@ def load_model_for_length(name_or_path: str, target_length: int, factor: float |
     SequenceParallelCausalLM trains and whose `save_pretrained` writes the checkpoint's layout (composite.py).
 
     Extra keyword arguments go to from_pretrained (those that locate files also to AutoConfig);
-    a `config=` argument is used as the base config instead of loading one.
+    a `config=` argument is used as the base config instead of loading one. use_kernels defaults to False (hub kernels,
+    on by default from transformers 5.25, replace layers the levers patch; SequenceParallelCausalLM resets them).
     """
     from transformers import AutoConfig
 
@@ -264,6 +265,7 @@ def load_model_for_length(name_or_path: str, target_length: int, factor: float |
         config_kwargs = {k: from_pretrained_kwargs[k] for k in _CONFIG_KWARGS if k in from_pretrained_kwargs}
         config = AutoConfig.from_pretrained(name_or_path, **config_kwargs)
     apply_yarn(config, target_length, factor, rope_scaling=rope_scaling)
+    from_pretrained_kwargs.setdefault("use_kernels", False)
     return model_class(config).from_pretrained(name_or_path, config=config, **from_pretrained_kwargs)
 
 

@@ -173,10 +173,12 @@ def load_model(name: str, config, dtype: torch.dtype, seed: int, device: torch.d
         # the world size, so the batch keys are left for it to derive.
         init_config = {k: v for k, v in ds_config.items() if k != "train_batch_size"}
         zero3 = HfDeepSpeedConfig(init_config)  # must stay alive while from_pretrained and peft run
-        model = adapted(auto.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)))
+        # use_kernels=False: transformers 5.25 kernelizes by default (hub kernels, fetched, in place of the layers the
+        # levers patch); SequenceParallelCausalLM would undo it, but not fetch it first.
+        model = adapted(auto.from_pretrained(name, config=config, dtype=dtype, use_kernels=False, **_hub_kwargs(name)))
         del zero3
         return model
-    return adapted(auto.from_pretrained(name, config=config, dtype=dtype, **_hub_kwargs(name)).to(device))
+    return adapted(auto.from_pretrained(name, config=config, dtype=dtype, use_kernels=False, **_hub_kwargs(name)).to(device))
 
 
 def weights_digest(name: str, seed: int, memo_dir: Path | None = None) -> str:
