@@ -26,6 +26,7 @@ import torch
 
 from ..parallel.exchange import heads_to_seq, qkv_seq_to_heads, replicate_kv_heads
 from ..handle import Handle
+from .fa4 import check_fa4
 from .explicit_attention import (
     ExplicitAttention, attention_head_groups, check_head_groups, explicit_attention, keeps_attention_outputs,
     splits_heads, valid_head_groups,
@@ -86,7 +87,8 @@ class UlyssesAttention:
     model at it; the returned Handle's `undo()` restores the model's implementation and unregisters it.
     Another implementation's entry is never overwritten.
 
-    kernel: one of KERNELS ("auto": cuDNN-first SDPA on Hopper).
+    kernel: one of KERNELS ("auto": FlashAttention-4 on Hopper where installed and measured faster, decided at
+        `install` from the model's head dim, else cuDNN-first SDPA; "fa4": FlashAttention-4 for every layer type).
     head_groups: run the kernel over this many groups of kv heads, one after another ("auto": the fewest that
         keep its backward's own block under 1 GiB, CUDA only; kernels.attention_head_groups).
     recompute: the RecomputeContext that checkpointing was given; layers it runs with `keep_attention` keep
@@ -101,14 +103,17 @@ class UlyssesAttention:
             raise ValueError(f"unknown attention kernel {kernel!r}; pick one of {KERNELS}.")
         if not valid_head_groups(head_groups):
             raise ValueError(f"head_groups must be 'auto' or an int >= 1, got {head_groups!r}.")
+        self.asked = kernel
         kernel = resolve_kernel(kernel)
         if kernel.startswith("flash"):
             flash_attn_func(kernel)  # fail now, not at the first layer
             if head_groups not in ("auto", 1):
                 raise ValueError(
                     f"head_groups={head_groups} needs a kernel whose forward and backward we call ourselves "
-                    f"(kernel='auto', 'cudnn' or 'sdpa'); {kernel!r} runs over all heads at once."
+                    f"(kernel='auto', 'cudnn', 'sdpa' or 'fa4'); {kernel!r} runs over all heads at once."
                 )
+        elif kernel == "fa4":
+            check_fa4()  # fail now, not at the first layer
         self.layout = layout
         self.kernel = kernel
         self.head_groups = head_groups
@@ -116,7 +121,9 @@ class UlyssesAttention:
         # One entry per instance: two models in one process (say, a policy and a reference) may differ. No "sdpa"
         # in the name: transformers checks a model's own SDPA support for any name containing it, and gpt-oss has
         # none (its sinks), though Ulysses attention computes them.
-        self.name = name or f"ulysses_lc_{kernel.replace('sdpa', 'torch')}_{next(_instance_ids)}"
+        self.instance = next(_instance_ids)
+        self.named = name
+        self.name = name or f"ulysses_lc_{kernel.replace('sdpa', 'torch')}_{self.instance}"
         # False once SequenceParallelCausalLM.probe_attention found no explicit kernel for this model's call:
         # the plan then counts no kept outputs or head groups (fallbacks.py).
         self.explicit_ok = True
@@ -226,6 +233,13 @@ class UlyssesAttention:
     def install(self, model) -> Handle:
         """Check the model and switch its attention to this implementation; returns a Handle to undo it."""
         check_model_for_ulysses(model.config, self.layout.sp_size)
+        if self.asked == "auto":  # FlashAttention-4 where it was measured faster for this model's heads
+            cfg = text_config(model.config)
+            kernel = resolve_kernel("auto", ModelShape.from_config(cfg).head_dim, getattr(cfg, "attention_dropout", 0))
+            if kernel != self.kernel:
+                self.kernel = kernel
+                self.name = self.named or f"ulysses_lc_{kernel}_{self.instance}"
+                logger.info("ulysses_lc attention: kernel auto takes %s for this model's heads", kernel)
         if self.head_groups != "auto":
             shape = ModelShape.from_config(model.config)
             sp = self.layout.sp_size

@@ -2,9 +2,10 @@
 
 Legend: shape.py. Same inputs as kernels.py (q [b, h_local, s, d], k, v [b, h_kv_local, s, d] after the
 Ulysses exchange); communicates nothing.
-  explicit_attention     SDPA's own cuDNN / FLASH / CPU-flash forward and backward ops called directly, so the
-                         forward's output can be kept for a checkpoint recompute (attention.py) and the kernel
-                         can run over groups of heads (its backward block, one group at a time)
+  explicit_attention     SDPA's own cuDNN / FLASH / CPU-flash forward and backward ops (or FlashAttention-4's,
+                         fa4.py) called directly, so the forward's output can be kept for a checkpoint recompute
+                         (attention.py) and the kernel can run over groups of heads (its backward block, one group
+                         at a time)
   ExplicitAttention      the autograd Function behind it; attention.kept_output_attention replays a kept output
   attention_head_groups  how many head groups keep that block under a target; the planner reads the same sizes
 """
@@ -15,7 +16,7 @@ import logging
 
 import torch
 
-from . import fallbacks
+from . import fa4, fallbacks
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +71,14 @@ _EXPLICIT = {
     "cudnn": (_cudnn_forward, _cudnn_backward),
     "flash": (_flash_forward, _flash_backward),
     "cpu": (_cpu_forward, _cpu_backward),
+    "fa4": (fa4.causal_forward, fa4.causal_backward),
 }
 _LOGGED: set = set()
 
 
 # CUDA backends for the kept-output path per `kernel`, in the order F.scaled_dot_product_attention would try
-# them under our priority; flash-attn kernels have no separate forward/backward ops to call.
-_KEPT_BACKENDS = {"cudnn": ("cudnn", "flash"), "auto": ("cudnn", "flash"), "sdpa": ("flash",)}
+# them under our priority; flash-attn 2 / 3 have no separate forward/backward ops to call, FlashAttention-4 has.
+_KEPT_BACKENDS = {"cudnn": ("cudnn", "flash"), "auto": ("cudnn", "flash"), "sdpa": ("flash",), "fa4": ("fa4",)}
 # The only dtypes those CUDA ops take. FLASH refuses others; cuDNN's op is not asked: torch's MHA.cpp has built its
 # graph for fp16 whatever the inputs' dtype unless they were bf16, which reads fp32 inputs wrongly instead of refusing.
 _CUDA_DTYPES = (torch.float16, torch.bfloat16)

@@ -2,7 +2,8 @@
 
 Legend: shape.py. Every function here takes q [b, h_local, s, d] and k, v [b, h_kv_local, s, d] after the
 Ulysses exchange (exchange.py) and communicates nothing.
-  causal_attention       F.scaled_dot_product_attention (cuDNN-first on Hopper) or flash-attn
+  causal_attention       F.scaled_dot_product_attention (cuDNN-first on Hopper), flash-attn, or FlashAttention-4
+                         (fa4.py)
   document_attention     the same inside each document of a packed sequence (batched runs, or one varlen call),
                          also over a sliding window and with sinks (window_attention.py), which restart per document
 The kernels whose forward and backward we call ourselves (kept outputs, head groups) are in explicit_attention.py.
@@ -16,12 +17,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .explicit_attention import keeps_attention_outputs
+from .explicit_attention import ExplicitAttention
+from .fa4 import check_fa4_inputs, fa4_interface
 from .window_attention import resolve_how, window_attention
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3")
+KERNELS = ("auto", "sdpa", "cudnn", "flash_attention_2", "flash_attention_3", "fa4")
 
 # SDPA backends in order of preference. On Hopper cuDNN ran causal attention at ~1.6x the FLASH_ATTENTION
 # backend (one H200, 2026-11-29, Qwen3-0.6B heads at 256k, fwd+bwd: 529 vs 324 TF/s; benchmarks/bench_step.py
@@ -39,10 +41,34 @@ def _sdpa_backends(kernel: str):
     return [getattr(SDPBackend, n) for n in names]
 
 
-def resolve_kernel(kernel: str) -> str:
-    """'auto' -> 'cudnn' priority SDPA on Hopper or newer, plain 'sdpa' order elsewhere."""
+# FlashAttention-4 against cuDNN on one H200 (benchmarks/bench_fa4.py, 2026-12-04, 262,144 tokens, fwd+bwd): 626 vs
+# 524 TF/s on Qwen3-0.6B's 16 / 8 heads of 128 (1.19x), 538 vs 426 on gpt-oss-20b's 64 / 8 of 64 (1.26x), and ahead of
+# flex at windows 128 / 1024 / 4096 and of torch's varlen on packed documents (BENCHMARKS.md "FlashAttention-4 on
+# Hopper"). So "auto" takes it on Hopper where flash-attn-4 is installed, for the head dims measured (up to 128; 256 is
+# not) and no attention dropout (it has none).
+FA4_AUTO_MAX_HEAD_DIM = 128
+
+
+def fa4_auto(head_dim: int | None, dropout: float = 0.0) -> bool:
+    """Whether "auto" runs FlashAttention-4 for heads of `head_dim` (None: not known, no) on this machine."""
+    if head_dim is None or head_dim > FA4_AUTO_MAX_HEAD_DIM or dropout:
+        return False
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        fa4_interface()
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_kernel(kernel: str, head_dim: int | None = None, dropout: float = 0.0) -> str:
+    """'auto' -> 'fa4' where `fa4_auto` says so (the model's head dim and attention dropout given), else 'cudnn'
+    priority SDPA on Hopper or newer, plain 'sdpa' order elsewhere."""
     if kernel != "auto":
         return kernel
+    if fa4_auto(head_dim, dropout):
+        return "fa4"
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         return "cudnn"
     return "sdpa"
@@ -65,6 +91,13 @@ def flash_attn_func(kernel: str):
 
 def causal_attention(q_bhsd, k_bhsd, v_bhsd, scaling, kernel: str = "sdpa", dropout: float = 0.0):
     """Causal attention over a whole sequence in global order; returns [b, h, s, d]."""
+    if kernel == "fa4":
+        if dropout:
+            raise ValueError(f"attention dropout {dropout} with kernel='fa4': FlashAttention-4 has no dropout; set "
+                             "config.attention_dropout=0 or use kernel='auto'.")
+        check_fa4_inputs(q_bhsd)
+        scale = scaling if scaling is not None else q_bhsd.shape[-1] ** -0.5
+        return ExplicitAttention.apply(q_bhsd, k_bhsd, v_bhsd, scale, "fa4", 1, None, [])
     if kernel in ("sdpa", "cudnn", "auto"):
         from torch.nn.attention import sdpa_kernel
 
@@ -104,9 +137,18 @@ def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "s
 
     window, sinks_h: a sliding window and per-head sink logits (window_attention.py), restarting at each
     document's start: one call where window_attention picks "flex" or "flash_window" (CUDA; the documents in its
-    mask or as its cu_seqlens), else the band per run of equal-length documents."""
+    mask or as its cu_seqlens), else the band per run of equal-length documents.
+
+    kernel="fa4": one FlashAttention-4 call, the documents as its cu_seqlens (window and sinks included) whatever
+    `how` is."""
     if how not in DOCUMENT_KERNELS:
         raise ValueError(f"how={how!r}: pick one of {DOCUMENT_KERNELS}.")
+    if kernel == "fa4":
+        if dropout:
+            raise ValueError(f"attention dropout {dropout} with kernel='fa4': FlashAttention-4 has no dropout; set "
+                             "config.attention_dropout=0 or use kernel='auto'.")
+        return window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window, sinks_h, kernel, how="fa4",
+                                bounds=tuple(bounds))
     if window is not None or sinks_h is not None:
         one_call = resolve_how("auto", q_bhsd.device, window)
         if one_call in ("flash_window", "flex") and how != "loop":
@@ -119,7 +161,8 @@ def document_attention(q_bhsd, k_bhsd, v_bhsd, bounds, scaling, kernel: str = "s
         return _loop_documents(q_bhsd, k_bhsd, v_bhsd, _equal_runs(bounds), attend)
     runs = _equal_runs(bounds)
     short = (bounds[-1] - bounds[0]) / len(runs) < DOCUMENT_VARLEN_TOKENS
-    varlen_ok = q_bhsd.is_cuda and not dropout and keeps_attention_outputs(kernel) and _varlen_attn() is not None
+    varlen_ok = (q_bhsd.is_cuda and not dropout and kernel in ("auto", "cudnn", "sdpa")
+                 and _varlen_attn() is not None)
     if how == "varlen" or (how == "auto" and short and varlen_ok and len(runs) > 1):
         if not varlen_ok:
             raise ValueError("how='varlen' needs CUDA, an SDPA kernel, no attention dropout and "
@@ -204,4 +247,5 @@ def _varlen_documents(q_bhsd, k_bhsd, v_bhsd, bounds, scaling):
     return out_thd.transpose(0, 1).unsqueeze(0)
 
 
-__all__ = ["DOCUMENT_KERNELS", "KERNELS", "causal_attention", "document_attention", "flash_attn_func", "resolve_kernel"]
+__all__ = ["DOCUMENT_KERNELS", "FA4_AUTO_MAX_HEAD_DIM", "KERNELS", "causal_attention", "document_attention", "fa4_auto",
+           "flash_attn_func", "resolve_kernel"]

@@ -25,6 +25,8 @@ window_size_left = w - 1; documents as its cu_seqlens), the same merge-free sink
 `how="flex"`: one compiled call of torch's flex attention over the band's block mask (flex_window.py), sinks
 through its log-sum-exp, documents in the mask; CUDA only, no kept output (its backward is flex's own).
 
+`how="fa4"`: one FlashAttention-4 call (fa4.py: window, sinks, documents as cu_seqlens), what kernel="fa4" runs.
+
 Which on CUDA (`resolve_how`), measured on an H200 at 256k tokens (benchmarks/bench_window.py, 2026-12-02, torch
 2.11; fwd+bwd TF/s on the FLOPs the window needs over full causal cuDNN's on the same heads; WINDOW_RATES):
 flex 0.19 / 0.57 / 0.71 (with sinks 0.18 / 0.55 / 0.70; torch's own flex call in the same run 0.19 / 0.57 / 0.71),
@@ -47,16 +49,18 @@ import torch.nn.functional as F
 
 from . import fallbacks
 from .explicit_attention import causal_ops, explicit_backends
+from .fa4 import fa4_backward, fa4_forward
 from .flex_window import flex_available, flex_window_attention
 
 logger = logging.getLogger(__name__)
 
-WINDOW_HOWS = ("auto", "band", "flash_window", "flex")
+WINDOW_HOWS = ("auto", "band", "flash_window", "flex", "fa4")
 # (window, fwd+bwd rate over causal cuDNN's, no sinks) per implementation, the module docstring's H200 measurement:
 # resolve_how picks the highest at a window, and the step estimate (sizing.py) prices window layers with it.
 WINDOW_RATES = {"flash_window": ((128, 0.141), (1024, 0.404), (4096, 0.542)),
                 "band": ((128, 0.058), (1024, 0.280), (4096, 0.648)),
-                "flex": ((128, 0.195), (1024, 0.569), (4096, 0.705))}
+                "flex": ((128, 0.195), (1024, 0.569), (4096, 0.705)),
+                "fa4": ((128, 0.232), (1024, 0.759), (4096, 1.054))}  # bench_fa4.py, 2026-12-04: kernel 'fa4' only
 _MERGE_BYTES = 256 << 20  # fp32 temporaries of the merge and of the sink's row sums, one slice at a time
 
 
@@ -74,8 +78,9 @@ def resolve_how(how: str, device: torch.device, window: int | None = None, kept:
     "flex" with `kept` is auto's pick too."""
     if how not in WINDOW_HOWS:
         raise ValueError(f"how={how!r}: pick one of {WINDOW_HOWS}.")
-    if how in ("flash_window", "flex") and device.type != "cuda":
-        kind = "torch's CUDA FLASH kernel" if how == "flash_window" else "flex attention, whose backward is CUDA-only"
+    if how in ("flash_window", "flex", "fa4") and device.type != "cuda":
+        kind = {"flash_window": "torch's CUDA FLASH kernel", "flex": "flex attention, whose backward is CUDA-only",
+                "fa4": "FlashAttention-4's CUDA kernels"}[how]
         raise ValueError(f"how={how!r} runs {kind}; use how='band' on CPU.")
     if how == "flex" and kept:
         how = "auto"
@@ -287,9 +292,9 @@ def _flash_window_backward(dout, q, k, v, out, lse_final, aux, scale):
 
 class WindowAttention(torch.autograd.Function):
     """Windowed causal attention with optional sinks through `how` ("band": an explicit causal `backend`;
-    "flash_window"). kept None: run the forward and append (out, lse, aux) to `sink_list`; kept = (out, lse, aux):
-    return them without running it (the checkpoint recompute, attention.py). Saves q, k, v, out and the final
-    log-sum-exp [b, h, s] fp32; communicates nothing. Backward: the kernels' backward ops (module docstring)."""
+    "flash_window"; "fa4", its sinks in the kernel). kept None: run the forward and append (out, lse, aux) to
+    `sink_list`; kept = (out, lse, aux): return them without running it (the checkpoint recompute, attention.py).
+    Saves q, k, v, out and the final log-sum-exp [b, h, s] fp32; communicates nothing. Backward: the kernels' backward ops (module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, scale, window, how, backend, bounds, kept, sink_list):
@@ -299,13 +304,14 @@ class WindowAttention(torch.autograd.Function):
             out, lse_final, aux = kept
             out = out.detach()
         else:
-            if how == "flash_window":
-                out, lse, aux = _flash_window_forward(q, k, v, scale, window, bounds)
+            if how == "fa4":
+                out, lse_final, aux = fa4_forward(q, k, v, scale, window, bounds, sinks)
             else:
-                out, lse, aux = _band_forward(q, k, v, scale, c, backend)
-            lse_final = _with_sinks(lse, sinks)
-            if sinks is not None:
-                out = _apply_sinks(out, lse, lse_final)
+                out, lse, aux = (_flash_window_forward(q, k, v, scale, window, bounds) if how == "flash_window"
+                                 else _band_forward(q, k, v, scale, c, backend))
+                lse_final = _with_sinks(lse, sinks)
+                if sinks is not None:
+                    out = _apply_sinks(out, lse, lse_final)
             if sink_list is not None:
                 sink_list.append((out.detach(), lse_final, aux))
         ctx.save_for_backward(q, k, v, out, lse_final, sinks)
@@ -315,6 +321,9 @@ class WindowAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse_final, sinks = ctx.saved_tensors
+        if ctx.how == "fa4":
+            dq, dk, dv, dsinks = fa4_backward(dout, q, k, v, out, lse_final, ctx.aux, ctx.scale, sinks)
+            return dq, dk, dv, dsinks if ctx.needs_input_grad[3] else None, None, None, None, None, None, None, None
         if ctx.how == "flash_window":
             dq, dk, dv = _flash_window_backward(dout, q, k, v, out, lse_final, ctx.aux, ctx.scale)
         else:
@@ -335,12 +344,13 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
     in the softmax denominator when `sinks_h` [h_local] is given; returns [b, h, s, d].
 
     kernel: the layer's kernel setting; the band runs through the explicit SDPA backends of "auto" unless it
-        names one ("cudnn", "sdpa"). how: "band", "flash_window" (CUDA), "flex" (CUDA), "auto" (resolve_how; on
-        CUDA the next one is tried where the first refuses the shape).
-    bounds: packed documents [0, ..., s] (how="flash_window": one varlen call; "flex": in its mask;
+        names one ("cudnn", "sdpa"); "fa4" runs how="fa4" whatever `how` is. how: "band", "flash_window" (CUDA),
+        "flex" (CUDA), "fa4" (CUDA), "auto" (resolve_how; on CUDA the next one is tried where the first refuses).
+    bounds: packed documents [0, ..., s] (how="flash_window" or "fa4": one varlen call; "flex": in its mask;
         kernels.document_attention runs the band per document). sink_list / kept: the kept-output handshake (attention.kept_output_attention).
     """
     scale = scaling if scaling is not None else q_bhsd.shape[-1] ** -0.5
+    how = "fa4" if kernel == "fa4" else how
     if kept is not None:
         how, backend, kept_tensors = kept
         return WindowAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks_h, scale, window, how, backend, bounds,
@@ -359,11 +369,11 @@ def window_attention(q_bhsd, k_bhsd, v_bhsd, scaling, window: int | None = None,
             raise ValueError(f"flex attention refused {tuple(q_bhsd.shape)} {q_bhsd.dtype}: "
                              f"{fallbacks.summary()}; use how='auto'.")
         chosen = resolve_how("auto", q_bhsd.device, window, kept=True)  # the best explicit kernel
-    if bounds is not None and chosen != "flash_window":
-        raise ValueError("bounds need how='flash_window' or 'flex'; kernels.document_attention runs the band per "
-                         "document.")
+    if bounds is not None and chosen not in ("flash_window", "fa4"):
+        raise ValueError("bounds need how='flash_window', 'flex' or 'fa4'; kernels.document_attention runs the band "
+                         "per document.")
     band = [("band", b) for b in explicit_backends(q_bhsd, kernel if kernel in ("cudnn", "sdpa") else "auto")]
-    tries = [("flash_window", "flash")] if chosen == "flash_window" else band
+    tries = {"flash_window": [("flash_window", "flash")], "fa4": [("fa4", "fa4")]}.get(chosen, band)
     if how in ("auto", "flex") and q_bhsd.is_cuda and bounds is None:
         tries += band if chosen == "flash_window" else [("flash_window", "flash")]
     for impl, backend in tries:

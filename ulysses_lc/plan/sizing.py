@@ -23,6 +23,7 @@ from . import deltanet_time, memory_model
 from .memory import (DEEPSPEED_SUB_GROUP_SIZE, PARAM_BYTES, MemoryPlan, _sub_group_size, attention_policy, plan_bytes,
                      plan_memory, zero3_state_bytes)
 from .metrics import model_flops_per_step
+from ..mixers.kernels import resolve_kernel
 from ..mixers.window_attention import rate_vs_causal, resolve_how
 from ..shape import ModelShape, window_pairs
 
@@ -307,8 +308,10 @@ class Job:
                                      cached_attention_layers=plan.cache_attention_layers)
         attn_fwd = flops.attention / 3
         recomputed_fwd = attn_fwd * (plan.recompute_layers - plan.cache_attention_layers) / self.shape.layers
-        attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / attention_flops_per_s(self.shape.head_dim)
-        attention += _window_extra(self.shape, seq_len, plan)
+        # The kernel this machine runs for "auto" (FlashAttention-4 where installed on Hopper; on a CPU, cuDNN's rates)
+        kernel = resolve_kernel(self.kernel, self.shape.head_dim, self.shape.attention_dropout)
+        attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / attention_flops_per_s(self.shape.head_dim, kernel)
+        attention += _window_extra(self.shape, seq_len, plan, kernel)
         dense = (flops.hardware - flops.attention - recomputed_fwd) / MATMUL_FLOPS_PER_S
         tokens = -(-seq_len // self.sp_size)
         rest = ELEMENTWISE_S_PER_TOKEN * tokens * self.shape.layers * self.shape.hidden / 1024
@@ -325,10 +328,10 @@ class Job:
 _CUDA = torch.device("cuda")  # the plan prices a GPU's step
 
 
-def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan) -> float:
-    """Seconds the window layers take beyond their FLOPs at the causal rate: the lower rate of the kernel
-    window_attention picks on a GPU (rate_vs_causal), on the forward, backward and the recompute's share of
-    forwards."""
+def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan, kernel: str = "auto") -> float:
+    """Seconds the window layers take beyond their FLOPs at `kernel`'s causal rate: the rate of the kernel
+    window_attention picks on a GPU (rate_vs_causal, a share of cuDNN's causal rate; "fa4" for kernel 'fa4'), on the
+    forward, backward and the recompute's share of forwards."""
     windows = shape.layer_windows or ()
     linear = shape.linear_layers or (False,) * shape.layers
     recompute_share = (plan.recompute_layers - plan.cache_attention_layers) / shape.layers
@@ -337,14 +340,18 @@ def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan) -> float:
         if w is None or lin or w >= seq_len:
             continue
         fwd = 4.0 * window_pairs(seq_len, w) * shape.heads * shape.head_dim
-        how = resolve_how("auto", _CUDA, w)
-        extra += (ATTENTION_PASSES + recompute_share) * fwd * (1 / rate_vs_causal(how, w) - 1)
-    return extra / attention_flops_per_s(shape.head_dim)
+        how = "fa4" if kernel == "fa4" else resolve_how("auto", _CUDA, w)
+        cudnn, causal = attention_flops_per_s(shape.head_dim), attention_flops_per_s(shape.head_dim, kernel)
+        extra += (ATTENTION_PASSES + recompute_share) * fwd * (1 / (rate_vs_causal(how, w) * cudnn) - 1 / causal)
+    return extra
 
 
-def attention_flops_per_s(head_dim: int) -> float:
-    """The causal attention kernel's fwd+bwd rate on an H200 at this head dim (the constants below)."""
-    return ATTENTION_FLOPS_PER_S if head_dim <= 128 else ATTENTION_FLOPS_PER_S_WIDE_HEADS
+def attention_flops_per_s(head_dim: int, kernel: str = "auto") -> float:
+    """The causal attention kernel's fwd+bwd rate on an H200 at this head dim (the constants below): cuDNN's, or
+    FlashAttention-4's for kernel 'fa4' up to head dim 128 (at 256 unmeasured: cuDNN's fitted rate)."""
+    if head_dim > 128:
+        return ATTENTION_FLOPS_PER_S_WIDE_HEADS
+    return FA4_FLOPS_PER_S if kernel == "fa4" else ATTENTION_FLOPS_PER_S
 
 
 def zero3_offload(ds_config: dict) -> tuple[bool, bool]:
@@ -358,6 +365,9 @@ def zero3_offload(ds_config: dict) -> tuple[bool, bool]:
 # 2026-11-30_sp2-vs-alst.md), the step-time model's assumption; the attention count is FlashAttention's benchmark's
 # (github.com/Dao-AILab/flash-attention, benchmarks/benchmark_flash_attention.py: backward 2.5x the forward):
 ATTENTION_FLOPS_PER_S = 530e12  # cuDNN causal SDPA, fwd+bwd counted as 3.5 forwards: 529-553 TF/s at 128k-256k
+# FlashAttention-4 (kernel 'fa4'), the same count: 626 TF/s on Qwen3-0.6B's heads at 256k where cuDNN ran 524 in the
+# same call (benchmarks/bench_fa4.py, 2026-12-04; BENCHMARKS.md "FlashAttention-4 on Hopper"): 1.19x cuDNN's rate.
+FA4_FLOPS_PER_S = ATTENTION_FLOPS_PER_S * 626.2 / 524.5
 # Head dims above 128 (Qwen3.5, Qwen3-Next: 256) run slower: the rate the 24-layer Qwen3.5-0.8B steps at 256k and
 # 1,007,616 tokens imply for their full-attention layers once the rest is priced as above, 364 and 334 TF/s
 # (BENCHMARKS.md "Whole steps of a Qwen3.5 shape on fla's kernels", 2026-12-02): fitted, not measured apart.

@@ -110,7 +110,9 @@ def layers_line(model_config, kernel: str, deltanet: str, on_gpu: bool = True) -
         else:
             name = f"sliding window {window}" if window is not None else "full attention"
             if window is not None or shape.sinks:
-                name += (" with sinks" if shape.sinks else "") + f" ({describe_how(window, shape.sinks, on_gpu)})"
+                how = ("FlashAttention-4" + (" with its window" if window is not None else "")
+                       if kernel.endswith("fa4") else describe_how(window, shape.sinks, on_gpu))
+                name += (" with sinks" if shape.sinks else "") + f" ({how})"
             else:
                 name += f" ({kernel})"
         kinds[name] = kinds.get(name, 0) + 1
