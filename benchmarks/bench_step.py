@@ -372,6 +372,12 @@ SUITES = {
         _v("ours-plan-4B@128k", "ours", 128 * K, 130, shape="qwen3-4b", warmup="steady", plan=True),
         _v("alst-4B@128k", "alst", 128 * K, 145, shape="qwen3-4b", warmup="steady"),
     ],
+    # issue 43: the main job's steady step with FlashAttention-4 (kernel 'fa4', the wheel set in README) against
+    # cuDNN in the same call; benchmarks/bench_fa4.py has the kernels alone.
+    "fa4": [
+        _v("ours-plan@256k-cudnn", "ours", 256 * K, 140, warmup="steady", plan=True, levers=dict(kernel="cudnn")),
+        _v("ours-plan@256k-fa4", "ours", 256 * K, 125, warmup="steady", plan=True, levers=dict(kernel="fa4")),
+    ],
     # issue 3, second pass: the limits with exact-size pinned buffers and the prefetch after attention backward.
     "memory2": [
         _v("ours@1M/4L", "ours", 1024 * K, 185, layers=4, warmup="short"),

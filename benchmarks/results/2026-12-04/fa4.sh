@@ -1,0 +1,53 @@
+#!/bin/bash
+# Issue 43 item 1, FlashAttention-4 on one H200: install the wheel set (docs/models.md "FlashAttention-4"), run
+# tests/test_fa4.py, then time the kernels (benchmarks/bench_fa4.py) or the main job's step (bench_step.py --suite fa4).
+# The cu13 wheel (92 MB) is over a call's 64 MiB, so it travels in two byte ranges over two back-to-back calls:
+#   here:   split -b 58000000 -d -a 1 nvidia_cutlass_dsl_libs_cu13-4.8.1-*.whl cu13.part
+#           .fa4a/cu13.part0; .fa4/wheels/: cu13.part1 and the other seven wheels (.fa4 and .fa4a in .git/info/exclude)
+#   call 1 (carry .fa4a):       mkdir -p /tmp/fa4parts && cp .fa4a/cu13.part0 /tmp/fa4parts/
+#   call 2 (carry .fa4, .whl):  bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,bench    (2026-12-04, 205 s)
+#   call 4 (after a call 3 as 1): bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,steps  (2026-12-04, 360 s)
+# Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
+set -u
+OUT=$1; STAGES=${2:-smoke,tests,bench}
+T0=$(date +%s); rm -f /tmp/fa4_smoke_ok
+W=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+if [ ! -f /tmp/fa4parts/cu13.part0 ]; then echo "no /tmp/fa4parts/cu13.part0: run call 1 first, back to back"; exit 3; fi
+cat /tmp/fa4parts/cu13.part0 .fa4/wheels/cu13.part1 > /tmp/fa4parts/$W
+echo "50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90  /tmp/fa4parts/$W" | sha256sum -c - || exit 4
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site \
+  /tmp/fa4parts/$W .fa4/wheels/*.whl .whl/*.whl 2>&1 | grep -v "WARNING: Target directory" | tail -3
+# pip --target never runs nvidia_cutlass_dsl_packages.pth, which puts dsl_packages (the `cutlass` package) on sys.path
+export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
+if [[ $STAGES == *smoke* ]]; then
+timeout 240 python3 - <<'PY' 2>&1 | grep -v -E "Warning|exe_args"
+import time, torch
+t = time.time()
+import cutlass.cute, flash_attn.cute.interface  # noqa: F401
+print(f"cutlass.cute and flash_attn.cute import in {time.time() - t:.1f}s")
+from ulysses_lc.mixers.kernels import causal_attention
+q = torch.randn(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+out = causal_attention(q, k, v, None, "fa4")
+out.sum().backward()
+ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+err = ((out.float() - ref).norm() / ref.norm()).item()
+print("rel err", err)
+if err < 2e-2:
+    open("/tmp/fa4_smoke_ok", "w").write("ok")
+PY
+fi
+[ -f /tmp/fa4_smoke_ok ] || { echo "smoke failed: no tests, no timing"; exit 5; }
+if [[ $STAGES == *tests* ]]; then
+timeout 300 python3 -m pytest -q -rs tests/test_fa4.py 2>&1 | tee $OUT/tests.log | tail -5
+fi
+LEFT=$(( ${CALL_S:-585} - ($(date +%s) - T0) ))
+if [[ $STAGES == *bench* ]]; then
+timeout $LEFT python3 benchmarks/bench_fa4.py --out $OUT --budget-s $(( LEFT - 75 )) 2>&1 | grep -v Warning \
+  | tee $OUT/bench.log | tail -20
+fi
+if [[ $STAGES == *steps* ]]; then
+timeout $LEFT python3 benchmarks/bench_step.py --suite fa4 --out $OUT --budget-s $(( LEFT - 10 )) 2>&1 | grep -v Warning \
+  | tail -8
+fi
