@@ -378,6 +378,15 @@ SUITES = {
         _v("ours-plan@256k-cudnn", "ours", 256 * K, 140, warmup="steady", plan=True, levers=dict(kernel="cudnn")),
         _v("ours-plan@256k-fa4", "ours", 256 * K, 125, warmup="steady", plan=True, levers=dict(kernel="fa4")),
     ],
+    # issue 43's must-show: the main job's plan on FlashAttention-4 against ALST's pieces in the same call, at the
+    # 0.6B shape's 256k and the 4B shape's 128k (est_s from the calls of 2026-12-02 and 2026-12-04: one call).
+    "fa4alst": [
+        _v("ours-plan@256k-fa4", "ours", 256 * K, 115, warmup="steady", plan=True, levers=dict(kernel="fa4")),
+        _v("alst@256k", "alst", 256 * K, 165, warmup="steady"),
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 100, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4")),
+        _v("alst-4B@128k", "alst", 128 * K, 125, shape="qwen3-4b", warmup="steady"),
+    ],
     # issue 3, second pass: the limits with exact-size pinned buffers and the prefetch after attention backward.
     "memory2": [
         _v("ours@1M/4L", "ours", 1024 * K, 185, layers=4, warmup="short"),

@@ -7,6 +7,8 @@
 #   call 1 (carry .fa4a):       mkdir -p /tmp/fa4parts && cp .fa4a/cu13.part0 /tmp/fa4parts/
 #   call 2 (carry .fa4, .whl):  bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,bench    (2026-12-04, 205 s)
 #   call 4 (after a call 3 as 1): bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,steps  (2026-12-04, 360 s)
+#   later (issue 43's must-show, ALST in the same call): call 1 as above, then
+#           SUITE=fa4alst bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
 OUT=$1; STAGES=${2:-smoke,tests,bench}
@@ -48,6 +50,6 @@ timeout $LEFT python3 benchmarks/bench_fa4.py --out $OUT --budget-s $(( LEFT - 7
   | tee $OUT/bench.log | tail -20
 fi
 if [[ $STAGES == *steps* ]]; then
-timeout $LEFT python3 benchmarks/bench_step.py --suite fa4 --out $OUT --budget-s $(( LEFT - 10 )) 2>&1 | grep -v Warning \
+timeout $LEFT python3 benchmarks/bench_step.py --suite ${SUITE:-fa4} --out $OUT --budget-s $(( LEFT - 10 )) 2>&1 | grep -v Warning \
   | tail -8
 fi
