@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests._attention_ref import dense_reference
+from tests._attention_ref import check_against_dense, cuda_inputs
 from ulysses_lc.mixers import fa4
 from ulysses_lc.mixers.attention import UlyssesAttention
 from ulysses_lc.mixers.explicit_attention import (attention_backward_block_bytes, explicit_attention,
@@ -25,7 +25,6 @@ from ulysses_lc.train.config import parse_args
 from ulysses_lc.train.loading import SHIPPED_CONFIGS, load_model_config
 
 _SP1 = SimpleNamespace(sp_size=1)
-OUT_TOL, GRAD_TOL = 2e-2, 4e-2
 
 
 def test_fa4_is_a_kernel_choice_with_kept_outputs_and_head_groups():
@@ -150,38 +149,11 @@ def _fa4_runs():
 cuda = pytest.mark.skipif(not _fa4_runs(), reason="FlashAttention-4: needs a Hopper GPU and flash-attn-4")
 
 
-def _inputs(h, h_kv, s, d, sinks, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()  # noqa: E731
-    return make(1, h, s, d), make(1, h_kv, s, d), make(1, h_kv, s, d), (make(h) if sinks else None)
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _check(run, inputs, window=None, bounds=None):
-    q, k, v, sink = inputs
-    leaves = [x for x in inputs if x is not None]
-    scale = q.shape[-1] ** -0.5
-    out = run(q, k, v, scale)
-    grad_out = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda",
-                           dtype=out.dtype)
-    got = torch.autograd.grad(out, leaves, grad_out)
-    ref_inputs = [x.detach().float().requires_grad_() for x in leaves]
-    rq, rk, rv = ref_inputs[:3]
-    ref = dense_reference(rq, rk, rv, scale, window, ref_inputs[3] if sink is not None else None, bounds)
-    want = torch.autograd.grad(ref, ref_inputs, grad_out.float())
-    errors = [_rel(out, ref)] + [_rel(a, b) for a, b in zip(got, want)]
-    print(f"rel errors out, dq, dk, dv[, dsink]: {', '.join(f'{e:.1e}' for e in errors)}")
-    assert errors[0] <= OUT_TOL and max(errors[1:]) <= GRAD_TOL, errors
-    return errors
-
-
 @cuda
 @pytest.mark.parametrize("h,h_kv,d", [(16, 8, 128), (16, 2, 64)])
 def test_fa4_causal_matches_dense_fp32(h, h_kv, d):
-    _check(lambda q, k, v, scale: causal_attention(q, k, v, scale, "fa4"), _inputs(h, h_kv, 3000, d, False))
+    check_against_dense(lambda q, k, v, scale: causal_attention(q, k, v, scale, "fa4"),
+                        cuda_inputs(h, h_kv, 3000, d, False))
 
 
 @cuda
@@ -189,31 +161,30 @@ def test_fa4_head_groups_and_kept_output_match_dense_fp32():
     """Two groups of kv heads through ExplicitAttention, and the recompute's replay of a kept output."""
     from ulysses_lc.mixers.explicit_attention import ExplicitAttention
 
-    inputs = _inputs(16, 8, 2048, 128, False, seed=3)
-    _check(lambda q, k, v, scale: explicit_attention(q, k, v, scale, "fa4", groups=2), inputs)
+    inputs = cuda_inputs(16, 8, 2048, 128, False, seed=3)
+    check_against_dense(lambda q, k, v, scale: explicit_attention(q, k, v, scale, "fa4", groups=2), inputs)
 
     def replay(q, k, v, scale):
         sink = []
         explicit_attention(q.detach(), k.detach(), v.detach(), scale, "fa4", 1, sink)
         return ExplicitAttention.apply(q, k, v, scale, "fa4", 1, sink[0][1:], None)
 
-    _check(replay, inputs)
+    check_against_dense(replay, inputs)
 
 
 @cuda
 @pytest.mark.parametrize("d,window,sinks", [(64, 128, True), (128, 1000, False)])
 def test_fa4_window_and_sinks_match_dense_fp32(d, window, sinks):
-    inputs = _inputs(8, 2, 4096, d, sinks)
-    errors = _check(lambda q, k, v, scale: window_attention(q, k, v, scale, window, inputs[3], "fa4"), inputs, window)
-    q, k, v, sink = (None if x is None else x.detach().float() for x in inputs)
-    half = dense_reference(q, k, v, d ** -0.5, window // 2, sink)  # the check can fail: half the window differs
-    assert _rel(window_attention(*inputs[:3], d ** -0.5, window, inputs[3], "fa4"), half) > 5 * errors[0]
+    inputs = cuda_inputs(8, 2, 4096, d, sinks)
+    check_against_dense(lambda q, k, v, scale: window_attention(q, k, v, scale, window, inputs[3], "fa4"),
+                        inputs, window)
 
 
 @cuda
 @pytest.mark.parametrize("window,sinks", [(None, False), (64, True)])
 def test_fa4_packed_documents_match_dense_fp32(window, sinks):
     bounds = (0, 900, 1300, 1301, 2500, 3072)
-    inputs = _inputs(8, 4, 3072, 128 if window is None else 64, sinks, seed=2)
-    _check(lambda q, k, v, scale: document_attention(q, k, v, bounds, scale, "fa4", window=window,
-                                                     sinks_h=inputs[3]), inputs, window, bounds)
+    inputs = cuda_inputs(8, 4, 3072, 128 if window is None else 64, sinks, seed=2)
+    check_against_dense(lambda q, k, v, scale: document_attention(q, k, v, bounds, scale, "fa4", window=window,
+                                                                  sinks_h=inputs[3]),
+                        inputs, window, bounds)
