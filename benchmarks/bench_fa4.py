@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ulysses_lc.shape import window_pairs  # noqa: E402
+from common import median_seconds  # noqa: E402
 
 GB = 1e9
 FULL = [("qwen3-0.6b", 16, 8, 128), ("gpt-oss-20b", 64, 8, 64)]
@@ -74,18 +75,6 @@ def _run(fn, q, k, v, sinks, dout):
     fn(q, k, v).backward(dout)
 
 
-def _seconds(call, iters):
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def bench_row(case, name, candidate, h, h_kv, d, T, iters, device, window=None, sinks=False, bounds=None):
     row = dict(case=case, shape=name, candidate=candidate, heads=f"{h}/{h_kv}x{d}", tokens=T, window=window,
                sinks=sinks, docs=None if bounds is None else len(bounds) - 1)
@@ -107,8 +96,8 @@ def bench_row(case, name, candidate, h, h_kv, d, T, iters, device, window=None, 
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
-            row["fwd_s"] = _seconds(lambda: fn(q, k, v), iters)
-        row["fwd_bwd_s"] = _seconds(lambda: _run(fn, q, k, v, sink, dout), iters)
+            row["fwd_s"] = median_seconds(lambda: fn(q, k, v), iters, warmup=0)
+        row["fwd_bwd_s"] = median_seconds(lambda: _run(fn, q, k, v, sink, dout), iters, warmup=0)
         row["peak_gb"] = round((torch.cuda.max_memory_allocated() - before) / GB, 2)
         row["tf_s"] = round(flops / row["fwd_bwd_s"] / 1e12, 1)
         row["fwd_tf_s"] = round(flops / 3.5 / row["fwd_s"] / 1e12, 1)

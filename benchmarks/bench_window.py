@@ -38,6 +38,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import median_seconds  # noqa: E402
 
 # (name, q heads, kv heads, head dim, window) from the public configs.
 HEAD_SHAPES = [("gpt-oss-20b", 64, 8, 64, 128), ("gemma3-27b", 32, 16, 128, 1024), ("mistral-7b", 32, 8, 128, 4096)]
@@ -57,25 +58,6 @@ def _flops_fwd(T, h, d, window):
     from ulysses_lc.shape import window_pairs
 
     return 4.0 * h * d * window_pairs(T, window)
-
-
-def _time(fn, iters, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 BACKENDS_SEEN: set = set()  # (candidate, the explicit backend window_attention ran): a refusal falls through
@@ -191,7 +173,7 @@ def bench_kernels(T, device, dtype, iters, deadline, shapes=HEAD_SHAPES, candida
                     fn(q, k, v).backward(dout)
 
                 causal = name == "causal_cudnn"
-                t = _time(once, min(2, iters) if causal else iters, warmup=warmup if name in COMPILED else 1)
+                t = median_seconds(once, min(2, iters) if causal else iters, warmup=warmup if name in COMPILED else 1)
                 flops = 3.5 * (2.0 * T * T * h * d if causal else _flops_fwd(T, h, d, window))
                 row.update(status="ok", fwd_bwd_s=t, tflops=flops / t / 1e12,
                            backend=sorted(b for c, b in BACKENDS_SEEN if c == name))

@@ -142,6 +142,27 @@ def alst_loss_sum(model, hidden, labels, logits_shard_gib: float = 1.0):
 
 # ---- one variant's record ----
 
+def median_seconds(fn, iters: int, warmup: int = 1) -> float:
+    """The median wall time of `iters` calls of fn() after `warmup` untimed ones: CUDA events on a GPU, the
+    clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def host_gb():
     """(RSS, peak RSS) of this process in GB."""
     import psutil
