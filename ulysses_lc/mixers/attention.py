@@ -123,7 +123,7 @@ class UlyssesAttention:
         # none (its sinks), though Ulysses attention computes them.
         self.instance = next(_instance_ids)
         self.named = name
-        self.name = name or f"ulysses_lc_{kernel.replace('sdpa', 'torch')}_{self.instance}"
+        self.name = name or self._default_name()
         # False once SequenceParallelCausalLM.probe_attention found no explicit kernel for this model's call:
         # the plan then counts no kept outputs or head groups (fallbacks.py).
         self.explicit_ok = True
@@ -230,6 +230,9 @@ class UlyssesAttention:
         if AttentionInterface._global_mapping.get(self.name) is self:
             del AttentionInterface._global_mapping[self.name]
 
+    def _default_name(self) -> str:
+        return f"ulysses_lc_{self.kernel.replace('sdpa', 'torch')}_{self.instance}"
+
     def install(self, model) -> Handle:
         """Check the model and switch its attention to this implementation; returns a Handle to undo it."""
         check_model_for_ulysses(model.config, self.layout.sp_size)
@@ -238,7 +241,7 @@ class UlyssesAttention:
             kernel = resolve_kernel("auto", ModelShape.from_config(cfg).head_dim, getattr(cfg, "attention_dropout", 0))
             if kernel != self.kernel:
                 self.kernel = kernel
-                self.name = self.named or f"ulysses_lc_{kernel}_{self.instance}"
+                self.name = self.named or self._default_name()
                 logger.info("ulysses_lc attention: kernel auto takes %s for this model's heads", kernel)
         if self.head_groups != "auto":
             shape = ModelShape.from_config(model.config)
