@@ -228,6 +228,59 @@ def _attention_ops(fwd_bwd, batch):
     return names
 
 
+_KINDS = (("attention bwd", ("flash", "fmha", "attention", "attn"), ("bwd", "backward")),
+          ("attention fwd", ("flash", "fmha", "attention", "attn"), ()),
+          ("gemm", ("gemm", "nvjet", "xmma", "cublas"), ()),
+          ("copy", ("memcpy", "memset", "copy"), ()))
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for kind, any_of, also in _KINDS:
+        if any(x in low for x in any_of) and (not also or any(x in low for x in also)):
+            return kind
+    return "other"
+
+
+def profile_step(step, batch, dev, path: Path) -> dict:
+    """BENCH_PROFILE=1: one more step at the same length under torch.profiler (CUDA activity), after the timed one,
+    so the timed step stays clean. Writes `path`: the GPU's time by kind of kernel (attention fwd / bwd, gemm, copy,
+    other), its idle time within the step (host waits, launch gaps) and the 40 kernels of most time; returns the
+    kinds' seconds for the record."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(batch)
+        sync(dev)
+    wall = time.perf_counter() - t0
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, None
+    for a, b in spans:  # the union of kernel intervals (us), over all streams
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    rows = [(e.self_device_time_total / 1e6, e.count, e.key) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    rows.sort(reverse=True)
+    kinds: dict[str, float] = {}
+    for sec, _, name in rows:
+        kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + sec
+    out = dict(wall_s=wall, gpu_busy_s=busy / 1e6, gpu_idle_s=wall - busy / 1e6, kinds_s=kinds)
+    lines = [f"profiled step: {wall:.2f} s wall, GPU busy {busy / 1e6:.2f} s (union of kernels), "
+             f"idle {wall - busy / 1e6:.2f} s", "", "kind                 GPU s"]
+    lines += [f"{k:20} {v:7.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    lines += ["", f"{'GPU s':>8} {'calls':>6}  kernel (top 40)"]
+    lines += [f"{sec:8.3f} {n:6d}  {name[:150]}" for sec, n, name in rows[:40]]
+    path.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def run_variant(spec: dict) -> dict:
     """Build, warm up, time one step; never raises (OOM and errors become the record's status)."""
     rec = dict(spec)
@@ -323,6 +376,10 @@ def run_variant(spec: dict) -> dict:
         rec["tflops_model"] = flops.model / step_s / 1e12
         rec["tflops_hardware"] = flops.hardware / step_s / 1e12
         rec["tflops_effective"] = flops.effective / step_s / 1e12
+        if os.environ.get("BENCH_PROFILE") and os.environ.get("BENCH_PROFILE_DIR"):
+            rec["phase"] = "profile"
+            rec["profile"] = profile_step(step, batch, dev,
+                                          Path(os.environ["BENCH_PROFILE_DIR"]) / f"profile_{slug(spec['name'])}.txt")
         rec["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - a benchmark records every failure and moves on
         record_failure(rec, e, dev)
@@ -386,6 +443,12 @@ SUITES = {
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 100, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
         _v("alst-4B@128k", "alst", 128 * K, 125, shape="qwen3-4b", warmup="steady"),
+    ],
+    # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).
+    "fa4profile": [
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 150, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4")),
+        _v("ours-plan@256k-fa4", "ours", 256 * K, 170, warmup="steady", plan=True, levers=dict(kernel="fa4")),
     ],
     # issue 3, second pass: the limits with exact-size pinned buffers and the prefetch after attention backward.
     "memory2": [
@@ -457,7 +520,8 @@ def run_suite(variants, out_dir: Path, budget_s: float, log) -> list[dict]:
         rec_path = out_dir / f".{slug(spec['name'])}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec), "--child-out", str(rec_path)]
         print(f"[run ] {spec['name']} (est {spec['est_s']} s, {left:.0f} s left)", flush=True)
-        output, rc, timed_out, wall = launch(cmd, child_env(), max(5.0, left - 3), log, spec["name"])
+        output, rc, timed_out, wall = launch(cmd, child_env(BENCH_PROFILE_DIR=str(out_dir)), max(5.0, left - 3), log,
+                                             spec["name"])
         if rec_path.exists():
             rec = json.loads(rec_path.read_text())
             rec_path.unlink()
