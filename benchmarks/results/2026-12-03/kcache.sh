@@ -14,7 +14,7 @@
 # first_step_s (the first step at the length), step_s (the steady step), predicted_step_s_flops, plan.
 #   bash benchmarks/results/2026-12-03/kcache.sh $OUT PART   (after .whl/*.whl are installed into /tmp/site;
 #   carry .whl, and for fresh / carried .tw/triton371.tar.xz, for carried .tw/kernel_cache.tar.xz)
-#   LEN / NAME / T1 / T2 (defaults 262144 / 256k / 330 / 200): the length, its label, and the two steps' time limits
+#   ARCHIVE=0: no kernel_cache.tar.xz (its xz takes a minute of the call). LEN / NAME / T1 / T2 (defaults 262144 / 256k / 330 / 200): the length, its label, and the two steps' time limits
 #   (2026-12-04, the device time left that session: LEN=8192 NAME=8k T1=190 T2=60. The first process on an empty
 #   cache was still autotuning at 190 s, 2,082 files / 113 MB in the cache by then; the second, on that cache, still at
 #   60 s: no step finished, so no figure. The Triton tarball was cut to the NVIDIA backend (backends/amd removed, which
@@ -49,7 +49,7 @@ case $PART in
     step "fla_${PART}_1" 24 "$LEN" "$NAME" "$T1"
     [ "$PART" = fresh ] && step fla_fresh_2 24 "$LEN" "$NAME" "$T2"
     (cd "$KC" && find . -type f | wc -l && du -sh .) | tee "$OUT/kernel_cache_size.txt"
-    [ "$PART" = fresh ] && tar -cJf "$OUT/kernel_cache.tar.xz" -C "$KC" . && ls -la "$OUT/kernel_cache.tar.xz"
+    [ "$PART" = fresh ] && [ "${ARCHIVE:-1}" = 1 ] && tar -cJf "$OUT/kernel_cache.tar.xz" -C "$KC" . && ls -la "$OUT/kernel_cache.tar.xz"
     ;;
   torch)
     step torch_24layers_128k 24 131072 128k 330
