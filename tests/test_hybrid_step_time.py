@@ -18,12 +18,14 @@ from ulysses_lc.plan.sizing import Job
 from ulysses_lc.train import main
 from ulysses_lc.train.estimate import count_params
 
-# benchmarks/results/2026-12-01/hybrid_qwen3.5-0.8b-8layers.json: tokens, plan, measured step (s). The FLOPs model
-# predicted 0.32, 5.96 and 14.09 s.
+# benchmarks/results/2026-12-04/torch_path/: layers, tokens, plan, measured step (s), one H200, the torch path (the
+# 8-layer steps in one process, the 24-layer one in the next call on the same machine). The FLOPs model alone
+# predicted a tenth of such steps.
 H200_STEPS = [
-    (32768, (0, 0, 0), 6.28),  # every layer plain
-    (262144, (8, 8, 8), 62.87),  # every layer checkpointed: each DeltaNet forward twice
-    (437248, (8, 0, 8), 105.58),  # the dry run's longest, every input offloaded
+    (8, 32768, (0, 0, 0), 3.52),  # every layer plain
+    (8, 131072, (3, 3, 3), 16.98),
+    (8, 262144, (6, 6, 6), 39.77),  # the plan's 6 checkpointed layers: 5 DeltaNet forwards twice
+    (24, 131072, (19, 19, 19), 56.16),  # the whole model: 15 of its 18 DeltaNet layers recomputed
 ]
 
 
@@ -33,15 +35,16 @@ def shape_and_params(layers: int) -> tuple[ModelShape, int]:
     return ModelShape.from_config(config), count_params(config)
 
 
-def job(sp_size: int = 1, deltanet: str = "torch") -> Job:
-    return Job.from_ds_config(*shape_and_params(8), sp_size, sp_size, load_deepspeed_config("zero3"),
+def job(sp_size: int = 1, deltanet: str = "torch", layers: int = 8) -> Job:
+    return Job.from_ds_config(*shape_and_params(layers), sp_size, sp_size, load_deepspeed_config("zero3"),
                               deltanet=deltanet)
 
 
-@pytest.mark.parametrize("tokens, plan, measured", H200_STEPS)
-def test_step_time_of_the_hybrid_steps_measured_on_an_h200(tokens, plan, measured):
-    predicted = job().step_seconds(tokens, MemoryPlan(*plan))
-    assert 0.85 * measured <= predicted <= 1.15 * measured, predicted
+@pytest.mark.parametrize("layers, tokens, plan, measured", H200_STEPS)
+def test_step_time_of_the_hybrid_steps_measured_on_an_h200(layers, tokens, plan, measured):
+    # issue 43 item 3: within 10% (each is within 1.5% of the fit, and within 5.2% held out of a fit on the others)
+    predicted = job(layers=layers).step_seconds(tokens, MemoryPlan(*plan))
+    assert 0.9 * measured <= predicted <= 1.1 * measured, predicted
 
 
 def test_the_torch_path_is_not_divided_by_sp_and_fla_is_priced_by_its_flops():
@@ -52,7 +55,7 @@ def test_the_torch_path_is_not_divided_by_sp_and_fla_is_priced_by_its_flops():
     assert recurrence == pytest.approx(6 * tokens * (2 * deltanet_time.TORCH_FORWARD_S_PER_TOKEN
                                                      + deltanet_time.TORCH_BACKWARD_S_PER_TOKEN))
     assert job(sp_size=2).step_seconds(tokens, plan) > recurrence
-    assert job(deltanet="fla").step_seconds(tokens, plan) < 0.15 * job().step_seconds(tokens, plan)
+    assert job(deltanet="fla").step_seconds(tokens, plan) < 0.25 * job().step_seconds(tokens, plan)
 
 
 def test_the_rule_prices_fla_only_where_its_backward_runs(monkeypatch):

@@ -30,17 +30,18 @@ DELTANET_PATHS = ("auto", "fla", "torch")
 FLA_REFUSED_TRITON = ("3.4.0", "3.7.1")
 
 # Seconds per token of the whole sequence, per gated DeltaNet layer and rank, on the torch path, beyond what the
-# FLOPs model prices (the layer's projections as matmuls, its norms as memory-bound work). Fitted to whole steps of
-# the Qwen3.5-0.8B shape cut to 8 layers (6 DeltaNet, 16 value heads of 128) on one H200, 2026-12-01
-# (benchmarks/results/2026-12-01/hybrid_qwen3.5-0.8b-8layers.json, benchmarks/bench_hybrid.py; BENCHMARKS.md
-# "Whole steps of a Qwen3.5 shape"): each step less the rest of Job.step_seconds (the 2 full-attention layers at
-# cuDNN's rate, the matmuls, the memory-bound work) leaves 5.95 s at 32,768 tokens (plan 0/0/0: forward + backward
-# once), 56.9 s at 262,144 and 91.5 s at 437,248 (plans 8/8/8 and 8/0/8: every DeltaNet layer recomputed, its
-# forward twice): 30.3, 36.2 and 34.9 us per token and layer. Least squares on the steps' relative error: forward
-# 5.3 us, backward 25.0 us (the last two agree within 1.6%). Its backward (autograd through those small kernels,
-# several per forward op) is most of it.
+# FLOPs model prices (the layer's projections as matmuls, its norms as memory-bound work). Fitted to four whole steps
+# of the Qwen3.5-0.8B shape (6 DeltaNet layers of 8, or 18 of 24; 16 value heads of 128) on one H200 with the image's
+# Triton 3.6.0, fla-core not installed, measured on one machine on 2026-12-04 (issue 43 item 3; records in
+# benchmarks/results/2026-12-04/torch_path/, BENCHMARKS.md "the torch path refitted"): 8 layers at 32,768 tokens
+# (plan 0/0/0: forward + backward once) 3.52 s, at 131,072 (3/3/3) 16.98 s, at 262,144 (6/6/6, five DeltaNet
+# layers recomputed) 39.77 s; 24 layers at 131,072 (19/19/19, 15 recomputed) 56.16 s. Least squares on the steps'
+# relative error: forward 5.3 us, backward 10.7 us; each step within 1.5% of it, and each one held out of a fit on
+# the other three within 5.2%. The constants before (5.3 / 25.0 us, fitted to the 8-layer steps of 2026-12-01)
+# put these steps at 1.58-1.79x: the same steps run faster on today's code (3.52 s against 6.28 s at 32k), the cause
+# not isolated. Its backward (autograd through those small kernels, several per forward op) is most of it.
 TORCH_FORWARD_S_PER_TOKEN = 5.3e-6
-TORCH_BACKWARD_S_PER_TOKEN = 25.0e-6
+TORCH_BACKWARD_S_PER_TOKEN = 10.7e-6
 
 
 def _triton_version() -> str | None:
