@@ -1,6 +1,7 @@
 """What a run's first step costs beyond a steady one where its kernels are not in the kernel cache yet
 (train/kernel_cache.py): fla's autotuning of the gated DeltaNet kernels, torch.compile's build of flex attention
-for the window layers.
+for the window layers, FlashAttention-4's JIT compile of its kernels (kernel 'fa4', which then runs the window
+layers too: no flex).
 
   kernel_kinds(shape, deltanet_path, seq_len)   which of the two a model's step runs on a GPU
   first_step_extra_seconds(kinds)              their one-time cost, from the measured constants below
@@ -26,18 +27,32 @@ FLA_AUTOTUNE_S = 204.9 - 21.85
 # before it (benchmarks/results/2026-12-03/gpt_oss/gpt_oss_steps.log; BENCHMARKS.md "the gpt-oss step back under
 # its earlier time"): 4.9 s.
 FLEX_COMPILE_S = 21.29 - 16.38
-FIRST_STEP_S = {"fla": FLA_AUTOTUNE_S, "flex": FLEX_COMPILE_S}
-WHAT = {"fla": "fla's autotuning of its gated DeltaNet kernels", "flex": "flex attention's compile for this length"}
+# FlashAttention-4's JIT compile (CuTe DSL) of its forward and backward: the first fwd+bwd of full causal attention on
+# Qwen3-0.6B's heads at 262,144 tokens on one H200 took 8.52 s against 1.57 s timed after it (benchmarks/bench_fa4.py,
+# 2026-12-04, benchmarks/results/2026-12-04/fa4_kernels.json: first_s, fwd_bwd_s): 6.95 s. A window or sink variant
+# compiles its own, 2-4 s more each there (not counted). Its key holds no length (a new length compiles nothing).
+FA4_COMPILE_S = 8.52 - 1.57
+FIRST_STEP_S = {"fla": FLA_AUTOTUNE_S, "flex": FLEX_COMPILE_S, "fa4": FA4_COMPILE_S}
+WHAT = {"fla": "fla's autotuning of its gated DeltaNet kernels", "flex": "flex attention's compile for this length",
+        "fa4": "FlashAttention-4's compile of its kernels"}
 
 
-def kernel_kinds(shape, deltanet: str = "auto", seq_len: int | None = None) -> tuple[str, ...]:
+def kernel_kinds(shape, deltanet: str = "auto", seq_len: int | None = None, kernel: str = "auto") -> tuple[str, ...]:
     """Which kernels of a step of `shape` (a shape.ModelShape) tune or compile on first use on a GPU: "fla" where its
-    gated DeltaNet layers take fla (`deltanet`: a path, or "auto" for deltanet_time's rule), "flex" where a window
-    layer takes flex attention (window_attention's pick on a GPU; a window as long as `seq_len` is a causal call)."""
+    gated DeltaNet layers take fla (`deltanet`: a path, or "auto" for deltanet_time's rule); "fa4" where the attention
+    layers run FlashAttention-4 (`kernel` as kernels.resolve_kernel resolves it for the model's heads: 'auto' takes it
+    on a Hopper GPU where flash-attn-4 is installed, as the step time prices it), which runs the window layers too;
+    else "flex" where a window layer takes flex attention (window_attention's pick on a GPU; a window as long as
+    `seq_len` is a causal call)."""
+    from ..mixers.kernels import resolve_kernel
+
     kinds = []
-    if any(shape.linear_layers) and (deltanet if deltanet in ("fla", "torch") else _deltanet_path(deltanet)[0]) == "fla":
+    linear = shape.linear_layers or (False,) * shape.layers
+    if any(linear) and (deltanet if deltanet in ("fla", "torch") else _deltanet_path(deltanet)[0]) == "fla":
         kinds.append("fla")
-    if _flex_windows(shape, seq_len):
+    if not all(linear) and resolve_kernel(kernel, shape.head_dim, shape.attention_dropout) == "fa4":
+        kinds.append("fa4")
+    elif _flex_windows(shape, seq_len):
         kinds.append("flex")
     return tuple(kinds)
 
@@ -58,4 +73,4 @@ def first_step_extra_seconds(kinds) -> float:
     return sum(FIRST_STEP_S[kind] for kind in kinds)
 
 
-__all__ = ["FIRST_STEP_S", "FLA_AUTOTUNE_S", "FLEX_COMPILE_S", "first_step_extra_seconds", "kernel_kinds"]
+__all__ = ["FA4_COMPILE_S", "FIRST_STEP_S", "FLA_AUTOTUNE_S", "FLEX_COMPILE_S", "first_step_extra_seconds", "kernel_kinds"]

@@ -241,8 +241,9 @@ def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
                         "them dividing its query heads (default auto: under 1 GiB)")
     p.add_argument("--cache-dir", help="token cache folder (default ~/.cache/ulysses_lc/tokens)")
     p.add_argument("--kernel-cache", metavar="DIR",
-                   help="keep fla's autotune results and torch.compile's kernels here (TRITON_CACHE_DIR and "
-                        "TORCHINDUCTOR_CACHE_DIR, where not set already), so later runs and resumes skip the first "
+                   help="keep fla's autotune results, torch.compile's and FlashAttention-4's kernels here "
+                        "(TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, where not "
+                        "set already), so later runs and resumes skip the first "
                         "step's minutes of tuning (default: kernel_cache/ beside the run folder, runs/kernel_cache)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=d.tensorboard,

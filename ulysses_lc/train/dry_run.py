@@ -55,7 +55,8 @@ def dry_run(cfg: TrainConfig) -> str:
     plan = job.plan(seq_len, limits).with_overrides(*run.plan.overrides)
     # What the first step tunes or compiles on the GPUs, and what of it an earlier run left in the kernel cache there.
     folder = run.output.kernel_cache
-    keys = kernel_keys(kernel_kinds(job.shape, job.deltanet_path, seq_len), job.shape, seq_len, checked.sp_size)
+    keys = kernel_keys(kernel_kinds(job.shape, job.deltanet_path, seq_len, job.kernel), job.shape, seq_len,
+                      checked.sp_size)
     found = cached(folder, keys, gpu=None)
     estimate = estimate_memory(run, checked, plan, num_params, limits, per_node,
                                uncached=tuple(kind for kind in keys if kind not in found))

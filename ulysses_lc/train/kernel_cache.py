@@ -7,7 +7,11 @@ Two kinds of kernel cost time on a fresh machine (plan/first_step.py has the mea
     the hash over Triton's version, the GPU's architecture, the kernel's source and its autotune key (fla's: heads,
     head dims, chunk size; never the length), beside the compiled kernels;
   - flex attention for the window layers compiles once per length (torch.compile), into TORCHINDUCTOR_CACHE_DIR
-    (inductor's FX graph and AOTAutograd caches) and its Triton kernels into TRITON_CACHE_DIR.
+    (inductor's FX graph and AOTAutograd caches) and its Triton kernels into TRITON_CACHE_DIR;
+  - FlashAttention-4 (kernel 'fa4') JIT-compiles its CuTe DSL kernels on first use, seconds per variant (full
+    causal, each window, sinks), into FLASH_ATTENTION_CUTE_DSL_CACHE_DIR where FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED
+    is 1 (flash-attn-4's cache_utils: off by default; the job turns it on unless you set it). flash-attn-4 reads both
+    when `flash_attn.cute` is first imported, which the job does inside this block.
 Both default to folders of the home or /tmp that a fresh node lacks. The job points both into one folder: --kernel-cache,
 default `kernel_cache/` beside the run folder (runs/kernel_cache beside runs/<model>-<time>), so a resume and later runs
 of any model find what earlier ones built; a variable the user set is kept. Every rank computes the folder from the
@@ -37,7 +41,10 @@ from .run_state import RUNS_DIR
 KERNEL_CACHE_DIR = "kernel_cache"  # the default folder's name, beside the run folder
 KERNELS_FILE = "kernels.json"
 # The variable each compiler reads its cache folder from, and the subfolder of --kernel-cache it gets.
-CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
+CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+              "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "fa4"}
+# flash-attn-4 keeps its compiled kernels on disk only with this set to 1; the job sets it where unset.
+FA4_CACHE_SWITCH = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 
 
 def kernel_cache_dir(flag: str | None, run_folder: Path | None) -> Path:
@@ -70,10 +77,11 @@ def cache_environment(folder: Path, environ=None):
     were afterwards. Both compilers read them at each use, not at import. A folder this block made and left without
     a file (a CPU run builds no kernel, yet torch makes inductor's folder) is removed again."""
     environ = os.environ if environ is None else environ
-    before = {var: environ.get(var) for var in CACHE_VARS}
+    before = {var: environ.get(var) for var in (*CACHE_VARS, FA4_CACHE_SWITCH)}
     existed = folder.exists()
     used = cache_vars(folder, environ)
     environ.update({var: path for var, (path, _) in used.items()})
+    environ.setdefault(FA4_CACHE_SWITCH, "1")
     try:
         yield used
     finally:
@@ -104,6 +112,13 @@ def kernel_keys(kinds, shape, seq_len: int, sp_size: int) -> dict[str, str]:
         hk, hv, dk, dv = shape.linear_heads
         keys["fla"] = (f"fla-core {_version('fla-core')}, {base}: {max(hk // sp_size, 1)} key / {hv // sp_size} "
                        f"value heads of {dk} / {dv} per rank")
+    if "fa4" in kinds:
+        windows = sorted({w for w in shape.layer_windows or () if w is not None})
+        keys["fa4"] = (f"flash-attn-4 {_version('flash-attn-4')}, nvidia-cutlass-dsl {_version('nvidia-cutlass-dsl')}, "
+                       f"torch {_version('torch')}: {shape.heads // sp_size} / {max(shape.kv_heads // sp_size, 1)} "
+                       f"heads of {shape.head_dim} per rank"
+                       + (f", windows {', '.join(map(str, windows))}" if windows else "")
+                       + (" with sinks" if shape.sinks else ""))
     if "flex" in kinds:
         windows = sorted({w for w in shape.layer_windows if w is not None})
         keys["flex"] = (f"{base}: {seq_len} tokens, {shape.heads // sp_size} heads of {shape.head_dim} per rank, "
@@ -152,7 +167,7 @@ def kernels_line(folder: Path, keys: dict[str, str], found: dict[str, str], used
     where = str(folder)
     if used:
         yours = [f"{var}={path}" for var, (path, source) in used.items() if source == "set by you"]
-        where += f" ({'; '.join(yours) + ' as you set' if yours else 'TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR'}; " \
+        where += f" ({'; '.join(yours) + ' as you set' if yours else ', '.join(CACHE_VARS)}; " \
                  "--kernel-cache)"
     else:
         where += " (--kernel-cache)"
@@ -183,10 +198,11 @@ class RunKernels:
     sharing: str | None = None
 
     @classmethod
-    def build(cls, folder: Path, used: dict, shape, seq_len: int, deltanet: str, layout, device) -> "RunKernels":
+    def build(cls, folder: Path, used: dict, shape, seq_len: int, deltanet: str, layout, device,
+              kernel: str = "auto") -> "RunKernels":
         """What this run's step builds on first use (on a GPU; a CPU run tunes and compiles nothing) and which of it
-        the folder holds (deltanet: the path the gated DeltaNet layers took, "fla" or "torch"). Collective on a GPU
-        (files.folder_owner: which nodes share the folder)."""
+        the folder holds (deltanet: the path the gated DeltaNet layers took, "fla" or "torch"; kernel: the attention
+        kernel the model runs). Collective on a GPU (files.folder_owner: which nodes share the folder)."""
         if device.type != "cuda":
             return cls(folder, used)
         import torch
@@ -194,7 +210,7 @@ class RunKernels:
         from ..plan.first_step import kernel_kinds
         from .files import folder_owner
 
-        keys = kernel_keys(kernel_kinds(shape, deltanet, seq_len), shape, seq_len, layout.sp_size)
+        keys = kernel_keys(kernel_kinds(shape, deltanet, seq_len, kernel), shape, seq_len, layout.sp_size)
         gpu = torch.cuda.get_device_name(device)
         owner = folder_owner(folder, layout)
         sharing = None if owner.num_nodes == 1 else (
@@ -217,5 +233,5 @@ class RunKernels:
         self.found.update({kind: "this run" for kind in missing})
 
 
-__all__ = ["CACHE_VARS", "KERNELS_FILE", "RunKernels", "cache_environment", "cache_vars", "cached", "kernel_cache_dir",
+__all__ = ["CACHE_VARS", "FA4_CACHE_SWITCH", "KERNELS_FILE", "RunKernels", "cache_environment", "cache_vars", "cached", "kernel_cache_dir",
            "kernel_keys", "kernels_line", "record"]

@@ -199,7 +199,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
                            long_documents=stream_settings.long_documents, **reserve).with_overrides(*run.plan.overrides)
     model.use_plan(plan, release_cached_memory=job.release_cached_memory)
     kernels = RunKernels.build(run.output.kernel_cache, cache_vars, job.shape, seq_len, model.deltanet_kernel, layout,
-                               device)
+                               device, model.attention.kernel)
     estimate = estimate_memory(run, checked, plan, num_params, limits, ranks_here, uncached=kernels.uncached)
     dry = job.plan(seq_len, limits).with_overrides(*run.plan.overrides) if limits else plan
     if rank0:

@@ -7,6 +7,7 @@
 #   call 1 (carry .fa4a):       mkdir -p /tmp/fa4parts && cp .fa4a/cu13.part0 /tmp/fa4parts/
 #   call 2 (carry .fa4, .whl):  bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,bench    (2026-12-04, 205 s)
 #   call 4 (after a call 3 as 1): bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,steps  (2026-12-04, 360 s)
+#   the kernel cache (2026-12-04, later): call 1 as above, then bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,cache
 #   later (issue 43's must-show, ALST in the same call): call 1 as above, then
 #           SUITE=fa4alst bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
@@ -43,6 +44,28 @@ fi
 [ -f /tmp/fa4_smoke_ok ] || { echo "smoke failed: no tests, no timing"; exit 5; }
 if [[ $STAGES == *tests* ]]; then
 timeout 300 python3 -m pytest -q -rs tests/test_fa4.py 2>&1 | tee $OUT/tests.log | tail -5
+fi
+if [[ $STAGES == *cache* ]]; then  # the kernel cache (--kernel-cache): FA4's compile in a fresh process, then in one
+# that finds what the first left (kernel_cache.cache_environment sets FLASH_ATTENTION_CUTE_DSL_CACHE_DIR / _ENABLED)
+for proc in fresh cached; do
+timeout 120 python3 - $proc <<'PY' 2>&1 | grep -v -E "Warning|exe_args" | tee -a $OUT/fa4_cache.log
+import sys, time
+from pathlib import Path
+import torch
+from ulysses_lc.train.kernel_cache import cache_environment
+with cache_environment(Path("/tmp/fa4_kernel_cache")):
+    from ulysses_lc.mixers.kernels import causal_attention
+    times = []
+    for _ in range(2):
+        q = torch.randn(1, 16, 8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, 8, 8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        torch.cuda.synchronize(); t = time.time()
+        causal_attention(q, k, v, None, "fa4").sum().backward()
+        torch.cuda.synchronize(); times.append(time.time() - t)
+files = list(Path("/tmp/fa4_kernel_cache/fa4").rglob("*"))
+print(f"{sys.argv[1]}: first fwd+bwd {times[0]:.2f} s, second {times[1]:.3f} s; fa4/ holds {len(files)} files")
+PY
+done
 fi
 LEFT=$(( ${CALL_S:-585} - ($(date +%s) - T0) ))
 if [[ $STAGES == *bench* ]]; then
