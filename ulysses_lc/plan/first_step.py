@@ -27,11 +27,12 @@ FLA_AUTOTUNE_S = 204.9 - 21.85
 # before it (benchmarks/results/2026-12-03/gpt_oss/gpt_oss_steps.log; BENCHMARKS.md "the gpt-oss step back under
 # its earlier time"): 4.9 s.
 FLEX_COMPILE_S = 21.29 - 16.38
-# FlashAttention-4's JIT compile (CuTe DSL) of its forward and backward: the first fwd+bwd of full causal attention on
-# Qwen3-0.6B's heads at 262,144 tokens on one H200 took 8.52 s against 1.57 s timed after it (benchmarks/bench_fa4.py,
-# 2026-12-04, benchmarks/results/2026-12-04/fa4_kernels.json: first_s, fwd_bwd_s): 6.95 s. A window or sink variant
-# compiles its own, 2-4 s more each there (not counted). Its key holds no length (a new length compiles nothing).
-FA4_COMPILE_S = 8.52 - 1.57
+# FlashAttention-4's JIT compile (CuTe DSL) of its forward and backward: a fresh process's first fwd+bwd of full causal
+# attention on Qwen3-0.6B's heads (8,192 tokens, 3 ms once compiled) took 10.24 s on one H200; a second process on the
+# kernel cache the first left took 3.97 s (2026-12-04, `fa4.sh $OUT smoke,cache`, benchmarks/results/2026-12-04/
+# fa4_cache.log: flash-attn-4 stored 8 more files then, so part of its compile is keyed per process). A window or sink
+# variant compiles its own, 2-4 s more each (bench_fa4.py's first calls; not counted). Its key holds no length.
+FA4_COMPILE_S = 10.24
 FIRST_STEP_S = {"fla": FLA_AUTOTUNE_S, "flex": FLEX_COMPILE_S, "fa4": FA4_COMPILE_S}
 WHAT = {"fla": "fla's autotuning of its gated DeltaNet kernels", "flex": "flex attention's compile for this length",
         "fa4": "FlashAttention-4's compile of its kernels"}
