@@ -6,7 +6,8 @@ fwd+bwd TF/s on one rank's heads after the Ulysses exchange, at 256k tokens.
     python benchmarks/bench_fa4.py --smoke --out /tmp/f          # CPU: the table from the SDPA rows only
 
 Cases (the heads from the public configs):
-  full    causal over the whole sequence: Qwen3-0.6B (16 q / 8 kv heads, head dim 128) and gpt-oss-20b (64 / 8, 64);
+  full    causal over the whole sequence: Qwen3-0.6B (16 q / 8 kv heads, head dim 128), gpt-oss-20b (64 / 8, 64)
+          and Qwen3.5-0.8B's full layers (8 / 2, 256; --full-shapes picks among them);
           candidates cudnn (kernels.causal_attention, kernel='cudnn') and fa4 (kernel='fa4', the explicit op
           explicit_attention calls, one head group)
   window  sliding windows 128 (gpt-oss-20b, with and without its sinks) / 1024 (Gemma 3 27B: 32 / 16, 128) / 4096
@@ -41,7 +42,8 @@ from ulysses_lc.shape import window_pairs  # noqa: E402
 from common import median_seconds  # noqa: E402
 
 GB = 1e9
-FULL = [("qwen3-0.6b", 16, 8, 128), ("gpt-oss-20b", 64, 8, 64)]
+FULL = [("qwen3-0.6b", 16, 8, 128), ("gpt-oss-20b", 64, 8, 64),
+        ("qwen3.5-0.8b", 8, 2, 256)]  # Qwen3.5's gated full-attention layers: 8 / 2 heads of 256
 WINDOWS = [("gpt-oss-20b", 64, 8, 64, 128, False), ("gpt-oss-20b", 64, 8, 64, 128, True),
            ("gemma3-27b", 32, 16, 128, 1024, False), ("mistral-7b", 32, 8, 128, 4096, False)]
 
@@ -134,6 +136,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--only", nargs="*", choices=["full", "window", "docs"], default=["full", "window", "docs"])
     p.add_argument("--candidates", nargs="*", default=["cudnn", "fa4", "flex", "auto"])
+    p.add_argument("--full-shapes", nargs="*", default=[f[0] for f in FULL], choices=[f[0] for f in FULL])
     p.add_argument("--tokens", type=int, default=262144)
     p.add_argument("--iters", type=int, default=3, help="timed calls per row (the median is kept)")
     p.add_argument("--budget-s", type=float, default=400, help="no new row starts after this many seconds")
@@ -145,7 +148,8 @@ def main(argv=None):
     device, T = torch.device("cuda"), (4096 if args.smoke else args.tokens)
     plan = []
     if "full" in args.only:
-        plan += [("full", n, c, h, kv, d, {}) for n, h, kv, d in FULL for c in ("cudnn", "fa4")]
+        plan += [("full", n, c, h, kv, d, {}) for n, h, kv, d in FULL if n in args.full_shapes
+                 for c in ("cudnn", "fa4")]
     if "window" in args.only:
         plan += [("window", n, c, h, kv, d, dict(window=w, sinks=s)) for n, h, kv, d, w, s in WINDOWS
                  for c in ("fa4", "flex")]

@@ -8,6 +8,7 @@
 #   call 2 (carry .fa4, .whl):  bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,bench    (2026-12-04, 205 s)
 #   call 4 (after a call 3 as 1): bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tests,steps  (2026-12-04, 360 s)
 #   the kernel cache (2026-12-04, later): call 1 as above, then bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,cache
+#   head dim 256 (2026-12-04, later): call 1 as above, then bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,wide
 #   later (issue 43's must-show, ALST in the same call): call 1 as above, then
 #           SUITE=fa4alst bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
@@ -68,6 +69,10 @@ PY
 done
 fi
 LEFT=$(( ${CALL_S:-585} - ($(date +%s) - T0) ))
+if [[ $STAGES == *wide* ]]; then  # head dim 256 (Qwen3.5's full layers), FA4 against cuDNN, full causal only
+timeout $LEFT python3 benchmarks/bench_fa4.py --only full --full-shapes qwen3.5-0.8b --out $OUT \
+  --budget-s $(( LEFT - 30 )) 2>&1 | grep -v Warning | tee $OUT/bench_wide.log | tail -4
+fi
 if [[ $STAGES == *bench* ]]; then
 timeout $LEFT python3 benchmarks/bench_fa4.py --out $OUT --budget-s $(( LEFT - 75 )) 2>&1 | grep -v Warning \
   | tee $OUT/bench.log | tail -20
