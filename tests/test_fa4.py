@@ -1,6 +1,6 @@
 """kernel='fa4' (FlashAttention-4, mixers/fa4.py): the choice, its refusals and flags on CPU; on a Hopper GPU with
 flash-attn-4 installed, every layer type it runs against an fp32 dense reference (full causal with GQA at head dims
-64 and 128, head groups, sliding windows, sinks, packed documents). `python -m pytest tests/test_fa4.py -q` on an H200
+64, 128 and 256, head groups, sliding windows, sinks, packed documents). `python -m pytest tests/test_fa4.py -q` on an H200
 with the README's wheel set runs them all.
 
 Tolerance as tests/test_window_cuda.py: bf16 inputs, the reference in fp32 on the same rounded inputs; relative
@@ -67,7 +67,8 @@ def test_fa4_refuses_dropout_and_fp32_before_calling_the_kernel():
 
 
 def test_auto_takes_fa4_on_hopper_where_installed_for_measured_head_dims(monkeypatch):
-    """bench_fa4.py (2026-12-04, one H200): FA4 1.19x cuDNN at head dim 128, 1.26x at 64; 256 unmeasured."""
+    """bench_fa4.py (2026-12-04, one H200): FA4 1.19x cuDNN at head dim 128, 1.26x at 64, 1.08x at 256 (Qwen3.5's
+    8 / 2 heads); 256 stays cuDNN's until the head-dim-256 case of test_fa4_causal_matches_dense_fp32 has run on a GPU."""
     from ulysses_lc.mixers.kernels import resolve_kernel
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -150,7 +151,7 @@ cuda = pytest.mark.skipif(not _fa4_runs(), reason="FlashAttention-4: needs a Hop
 
 
 @cuda
-@pytest.mark.parametrize("h,h_kv,d", [(16, 8, 128), (16, 2, 64)])
+@pytest.mark.parametrize("h,h_kv,d", [(16, 8, 128), (16, 2, 64), (8, 2, 256)])  # 256: Qwen3.5's full layers
 def test_fa4_causal_matches_dense_fp32(h, h_kv, d):
     check_against_dense(lambda q, k, v, scale: causal_attention(q, k, v, scale, "fa4"),
                         cuda_inputs(h, h_kv, 3000, d, False))

@@ -44,8 +44,9 @@ def _sdpa_backends(kernel: str):
 # FlashAttention-4 against cuDNN on one H200 (benchmarks/bench_fa4.py, 2026-12-04, 262,144 tokens, fwd+bwd): 626 vs
 # 524 TF/s on Qwen3-0.6B's 16 / 8 heads of 128 (1.19x), 538 vs 426 on gpt-oss-20b's 64 / 8 of 64 (1.26x), and ahead of
 # flex at windows 128 / 1024 / 4096 and of torch's varlen on packed documents (BENCHMARKS.md "FlashAttention-4 on
-# Hopper"). So "auto" takes it on Hopper where flash-attn-4 is installed, for the head dims measured (up to 128; 256 is
-# not) and no attention dropout (it has none).
+# Hopper"). So "auto" takes it on Hopper where flash-attn-4 is installed, for head dims up to 128, and no attention
+# dropout (it has none). At 256 (Qwen3.5's full layers, 8 / 2 heads) it ran 439 against cuDNN's 408 TF/s (1.08x; later
+# the same day), but its exactness there has not run on a GPU yet (tests/test_fa4.py's 256 case): cuDNN's until then.
 FA4_AUTO_MAX_HEAD_DIM = 128
 
 
