@@ -242,11 +242,41 @@ def _kind(name: str) -> str:
     return "other"
 
 
+def _owner(e) -> str:
+    """The nearest event around `e` that is not an aten op: the autograd Function (RMSNormFunction, TiledMLPFunction,
+    ChunkedCrossEntropy, ExplicitAttention), backward node or optimizer call that issued it; model code called
+    directly (RoPE, residual adds, projections outside a lever) is "(model code)"."""
+    while e is not None and e.name.startswith(("aten::", "cuda", "cu")):
+        e = e.cpu_parent
+    return "(model code)" if e is None else e.name.replace("autograd::engine::evaluate_function: ", "")[:70]
+
+
+def _idle_by_owner(cpu_events, spans, top: int = 300) -> dict[str, float]:
+    """Seconds of the `top` longest gaps between kernels (spans: sorted (start, end) us), each given to the deepest
+    CPU event running at its middle: what the host was doing while the GPU waited."""
+    import bisect
+
+    gaps = sorted(((b0 - a1, (a1 + b0) / 2) for (_, a1), (b0, _) in zip(spans, spans[1:]) if b0 > a1), reverse=True)
+    cpu = sorted(cpu_events, key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in cpu]
+    idle: dict[str, float] = {}
+    for length, mid in gaps[:top]:
+        i, found = bisect.bisect_right(starts, mid) - 1, None
+        for j in range(i, max(-1, i - 5000), -1):  # the latest-starting event still running at mid is the deepest
+            if cpu[j].time_range.end >= mid:
+                found = cpu[j]
+                break
+        key = "(no host event)" if found is None else _owner(found) + ("" if not found.name.startswith("aten::")
+                                                                        else f" / {found.name}")
+        idle[key] = idle.get(key, 0.0) + length / 1e6
+    return idle
+
+
 def profile_step(step, batch, dev, path: Path) -> dict:
     """BENCH_PROFILE=1: one more step at the same length under torch.profiler (CUDA activity), after the timed one,
     so the timed step stays clean. Writes `path`: the GPU's time by kind of kernel (attention fwd / bwd, gemm, copy,
-    other), its idle time within the step (host waits, launch gaps) and the 40 kernels of most time; returns the
-    kinds' seconds for the record."""
+    other) and by the lever or autograd node that launched it (_owner), its idle time within the step and what the
+    host did meanwhile (_idle_by_owner), and the 40 kernels of most time; returns the kinds' seconds for the record."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -256,7 +286,8 @@ def profile_step(step, batch, dev, path: Path) -> dict:
         step(batch)
         sync(dev)
     wall = time.perf_counter() - t0
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
     busy, end = 0.0, None
     for a, b in spans:  # the union of kernel intervals (us), over all streams
         if end is None or a > end:
@@ -271,10 +302,28 @@ def profile_step(step, batch, dev, path: Path) -> dict:
     kinds: dict[str, float] = {}
     for sec, _, name in rows:
         kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + sec
-    out = dict(wall_s=wall, gpu_busy_s=busy / 1e6, gpu_idle_s=wall - busy / 1e6, kinds_s=kinds)
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    owners: dict[str, float] = {}
+    for e in cpu:  # each op's own kernels' time, given to the lever or node around it
+        if e.self_device_time_total > 0:
+            owners[_owner(e)] = owners.get(_owner(e), 0.0) + e.self_device_time_total / 1e6
+    merged = []
+    for a, b in spans:  # the idle gaps need non-overlapping spans
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    idle = _idle_by_owner(cpu, merged)
+    out = dict(wall_s=wall, gpu_busy_s=busy / 1e6, gpu_idle_s=wall - busy / 1e6, kinds_s=kinds,
+               owners_s=dict(sorted(owners.items(), key=lambda kv: -kv[1])[:30]),
+               idle_s=dict(sorted(idle.items(), key=lambda kv: -kv[1])[:20]))
     lines = [f"profiled step: {wall:.2f} s wall, GPU busy {busy / 1e6:.2f} s (union of kernels), "
              f"idle {wall - busy / 1e6:.2f} s", "", "kind                 GPU s"]
     lines += [f"{k:20} {v:7.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    lines += ["", "   GPU s  launched inside (top 30)"]
+    lines += [f"{v:8.3f}  {k}" for k, v in out["owners_s"].items()]
+    lines += ["", "  idle s  the host meanwhile (the 300 longest gaps)"]
+    lines += [f"{v:8.3f}  {k}" for k, v in out["idle_s"].items()]
     lines += ["", f"{'GPU s':>8} {'calls':>6}  kernel (top 40)"]
     lines += [f"{sec:8.3f} {n:6d}  {name[:150]}" for sec, n, name in rows[:40]]
     path.write_text("\n".join(lines) + "\n")
