@@ -70,6 +70,10 @@ def setup_ours(model, layout, doc=None, **levers):
 
     levers = dict(levers)
     plan = levers.pop("plan", None)
+    if levers.pop("chunked_rmsnorm", False):  # the RMSNorm's eager row chunks on CUDA too (an A/B of its fused path)
+        from ulysses_lc.levers import rmsnorm
+
+        rmsnorm.FUSED_CUDA = False
     wrapper = SequenceParallelCausalLM(model, layout, plan=MemoryPlan(*plan) if plan else None, **levers)
 
     def batch_fn(ids):
@@ -492,6 +496,15 @@ SUITES = {
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 100, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
         _v("alst-4B@128k", "alst", 128 * K, 125, shape="qwen3-4b", warmup="steady"),
+    ],
+    # issue 43: the 4B step with torch's fused RMSNorm kernels (the default on CUDA since 2026-12-04) against the
+    # eager row chunks before them, and ALST, in one call (after fa4.sh's install; est_s from the calls of 2026-12-04).
+    "fa4rms": [
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4")),
+        _v("ours-plan-4B@128k-fa4-chunked-norm", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4", chunked_rmsnorm=True)),
+        _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
     ],
     # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).
     "fa4profile": [

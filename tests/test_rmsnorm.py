@@ -194,3 +194,97 @@ def test_hybrid_norms_switched_loss_and_grads(family):
     for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
         assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= 1e-5, name
     undo()
+
+
+def _reference_fused(x_tw, weight_w, eps):
+    """What torch's fused CUDA kernel computes, in plain ops: the weight applied in fp32, one rounding."""
+    rstd = torch.rsqrt(x_tw.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (x_tw.float() * rstd * weight_w.float()).to(x_tw.dtype), rstd
+
+
+def test_the_fused_path_saves_input_and_rstd_and_passes_its_gradients_through(monkeypatch):
+    # The CUDA branch's glue, run on CPU with the kernels replaced by the formula they compute: the Function hands
+    # the fused forward a contiguous [t, w] view of any input, saves only (x, weight, rstd), and returns the fused
+    # backward's gradients in the input's shape, each only where asked for.
+    from ulysses_lc.levers import rmsnorm
+
+    calls = []
+
+    def backward(grad_y_tw, x_tw, rstd, weight_w, need_x, need_weight):
+        calls.append((need_x, need_weight, grad_y_tw.is_contiguous(), x_tw.is_contiguous(), tuple(rstd.shape)))
+        x_r, w_r = x_tw.detach().requires_grad_(), weight_w.detach().requires_grad_()
+        with torch.enable_grad():  # a backward runs without grad mode
+            gx, gw = torch.autograd.grad(_reference_fused(x_r, w_r, 1e-6)[0], (x_r, w_r), grad_y_tw)
+        return (gx if need_x else None), (gw if need_weight else None)
+
+    monkeypatch.setattr(rmsnorm, "_takes_fused", lambda x, w, gemma: not gemma)
+    monkeypatch.setattr(rmsnorm, "_fused_forward", _reference_fused)
+    monkeypatch.setattr(rmsnorm, "_fused_backward", backward)
+    torch.manual_seed(2)
+    weight = torch.empty(24, dtype=torch.bfloat16).uniform_(0.5, 1.5).requires_grad_()
+    x = torch.randn(2, 24, 9, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()  # not contiguous
+    g = torch.randn(2, 9, 24, dtype=torch.bfloat16)
+    out = RMSNormFunction.apply(x, weight, 1e-6)
+    assert out.shape == x.shape and torch.equal(out.reshape(-1, 24), _reference_fused(x.reshape(-1, 24), weight, 1e-6)[0])
+    saved = out.grad_fn.saved_tensors
+    assert [t.shape for t in saved] == [x.shape, weight.shape, (18, 1)] and saved[2].dtype == torch.float32
+    gx, gw = torch.autograd.grad(out, (x, weight), g)
+    x_r, w_r = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    want = torch.autograd.grad(_reference_fused(x_r.reshape(-1, 24), w_r, 1e-6)[0].view(x.shape), (x_r, w_r), g)
+    assert gx.shape == x.shape and torch.equal(gx, want[0]) and torch.equal(gw, want[1])
+    assert calls == [(True, True, True, True, (18, 1))]
+    # Only the weight's gradient asked for (a frozen input), then only the input's (a frozen weight).
+    RMSNormFunction.apply(x.detach(), weight, 1e-6).backward(g)
+    RMSNormFunction.apply(x, weight.detach(), 1e-6).backward(g)
+    assert [c[:2] for c in calls[1:]] == [(False, True), (True, False)]
+    # Gemma's (1 + weight) form keeps the chunks: the fused kernels are not called.
+    RMSNormFunction.apply(x, weight, 1e-6, None, True).backward(g)
+    assert len(calls) == 3
+
+
+def test_the_fused_kernels_are_taken_only_on_cuda_for_the_forms_they_compute(monkeypatch):
+    from types import SimpleNamespace
+
+    from ulysses_lc.levers import rmsnorm
+
+    bf16 = torch.bfloat16
+    cuda_x, w = SimpleNamespace(is_cuda=True, dtype=bf16), SimpleNamespace(dtype=bf16)
+    assert not rmsnorm._takes_fused(torch.ones(2, dtype=bf16), torch.ones(2, dtype=bf16), False)  # CPU: the chunks
+    monkeypatch.setattr(rmsnorm, "_fused_kernels_exist", lambda: True)
+    assert rmsnorm._takes_fused(cuda_x, w, False)
+    assert not rmsnorm._takes_fused(cuda_x, w, True)  # Gemma's (1 + weight)
+    assert not rmsnorm._takes_fused(cuda_x, SimpleNamespace(dtype=torch.float32), False)  # mixed dtypes
+    monkeypatch.setattr(rmsnorm, "FUSED_CUDA", False)
+    assert not rmsnorm._takes_fused(cuda_x, w, False)
+    monkeypatch.setattr(rmsnorm, "FUSED_CUDA", True)
+    monkeypatch.setattr(rmsnorm, "_fused_kernels_exist", lambda: False)  # a torch without them
+    assert not rmsnorm._takes_fused(cuda_x, w, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's fused RMSNorm kernels run on CUDA")
+@pytest.mark.parametrize("form", ["llama", "cast_after"])
+def test_the_fused_cuda_kernels_match_the_class_and_the_chunks(form, monkeypatch):
+    # On a GPU: the fused path (the default there) against the class's own forward and autograd, and against the
+    # chunks (FUSED_CUDA off). bf16 at 1e-2 relative (one rounding of the input's dtype apart in the forward).
+    from ulysses_lc.levers import rmsnorm
+
+    assert rmsnorm._fused_kernels_exist(), "this torch has no fused RMSNorm CUDA kernels"
+    cls, kwargs = _norm_classes()[form]
+    torch.manual_seed(0)
+    norm = cls(128, **kwargs).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 1.5)
+    x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
+    ref = norm(x)
+    want = torch.autograd.grad(ref, (x, norm.weight), g)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(rmsnorm, "FUSED_CUDA", fused)
+        out = rmsnorm._RMSNORM_FORMS[cls.__name__](norm, x)
+        assert out.grad_fn.saved_tensors[2].numel() == 4096  # rstd per row, either way
+        results[fused] = (out, *torch.autograd.grad(out, (x, norm.weight), g))
+    for got in results.values():
+        for a, b in zip(got, (ref, *want)):
+            assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-2
+    assert torch.equal(results[False][0], ref)  # the chunks: bit for bit
