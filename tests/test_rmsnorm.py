@@ -240,6 +240,14 @@ def test_the_fused_path_saves_input_and_rstd_and_passes_its_gradients_through(mo
     # Gemma's (1 + weight) form keeps the chunks: the fused kernels are not called.
     RMSNormFunction.apply(x, weight, 1e-6, None, True).backward(g)
     assert len(calls) == 3
+    # Past FUSED_MAX_ELEMENTS the rows go in calls of FUSED_PART_ELEMENTS (5 of at most 4 rows here): the same output
+    # and input gradient (rows are independent), the weight gradient's partial sums added in fp32 (bf16: 2^-8).
+    monkeypatch.setattr(rmsnorm, "FUSED_MAX_ELEMENTS", 400)
+    monkeypatch.setattr(rmsnorm, "FUSED_PART_ELEMENTS", 100)
+    out5 = RMSNormFunction.apply(x, weight, 1e-6)
+    gx5, gw5 = torch.autograd.grad(out5, (x, weight), g)
+    assert len(calls) == 3 + 5 and torch.equal(out5, out) and torch.equal(gx5, gx)
+    assert ((gw5.double() - gw.double()).norm() / gw.double().norm()).item() <= 2**-8
 
 
 def test_the_fused_kernels_are_taken_only_on_cuda_for_the_forms_they_compute(monkeypatch):
@@ -288,3 +296,11 @@ def test_the_fused_cuda_kernels_match_the_class_and_the_chunks(form, monkeypatch
         for a, b in zip(got, (ref, *want)):
             assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-2
     assert torch.equal(results[False][0], ref)  # the chunks: bit for bit
+    # In parts (as past 2^30 elements): the same output and input gradient as one call.
+    monkeypatch.setattr(rmsnorm, "FUSED_CUDA", True)
+    monkeypatch.setattr(rmsnorm, "FUSED_MAX_ELEMENTS", 128 * 1000)
+    monkeypatch.setattr(rmsnorm, "FUSED_PART_ELEMENTS", 128 * 1000)
+    out = rmsnorm._RMSNORM_FORMS[cls.__name__](norm, x)
+    gx, gw = torch.autograd.grad(out, (x, norm.weight), g)
+    assert torch.equal(out, results[True][0]) and torch.equal(gx, results[True][1])
+    assert ((gw.double() - results[True][2].double()).norm() / results[True][2].double().norm()).item() <= 2**-8

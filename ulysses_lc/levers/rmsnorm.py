@@ -51,6 +51,17 @@ def _rows_per_chunk(width: int) -> int:
 # same formula). Taken for the Llama and gpt-oss forms with the weight in the input's dtype; Gemma's (1 + weight)
 # keeps the chunks. FUSED_CUDA = False keeps the chunks on CUDA too (an A/B switch for benchmarks).
 FUSED_CUDA = True
+# Elements per fused call: long sequences pass 2^31 in one q norm (Qwen3-4B's 32 heads of 128 at 512k tokens), past
+# what a kernel indexing in 32 bits can be trusted with. Up to FUSED_MAX_ELEMENTS the rows go in one call; beyond,
+# in calls of FUSED_PART_ELEMENTS each copied into the whole output (one part at a time: 256 MiB of bf16 held beside
+# it, as the chunks' fp32 temporaries were).
+FUSED_MAX_ELEMENTS = 2**30
+FUSED_PART_ELEMENTS = 2**27
+
+
+def _fused_parts(rows: int, width: int) -> list[slice]:
+    step = rows if rows * width <= FUSED_MAX_ELEMENTS else max(1, FUSED_PART_ELEMENTS // width)
+    return [slice(i, i + step) for i in range(0, rows, step)]
 
 
 @functools.cache
@@ -88,7 +99,18 @@ class RMSNormFunction(torch.autograd.Function):
         width = x.shape[-1]
         ctx.fused = _takes_fused(x, weight_w, gemma)
         if ctx.fused:  # torch's fused kernel on CUDA (FUSED_CUDA): one pass, no temporaries
-            y_tw, rstd = _fused_forward(x.reshape(-1, width).contiguous(), weight_w, eps)
+            x_tw = x.reshape(-1, width).contiguous()
+            parts = _fused_parts(x_tw.shape[0], width)
+            if len(parts) == 1:
+                y_tw, rstd = _fused_forward(x_tw, weight_w, eps)
+            else:
+                y_tw, rstds = torch.empty_like(x_tw), []
+                for rows in parts:
+                    y_part, rstd_part = _fused_forward(x_tw[rows], weight_w, eps)
+                    y_tw[rows] = y_part
+                    rstds.append(rstd_part)
+                    del y_part
+                rstd = torch.cat(rstds)
             ctx.save_for_backward(x, weight_w, rstd)
             return y_tw.view(x.shape)
         x_tw = x.reshape(-1, width)
@@ -118,11 +140,24 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight_w, rstd_t1 = ctx.saved_tensors
         width = x.shape[-1]
         if ctx.fused:
-            grad_x, grad_weight = _fused_backward(grad_y.reshape(-1, width).contiguous(),
-                                                  x.reshape(-1, width).contiguous(), rstd_t1, weight_w,
-                                                  ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-            grad_x = grad_x.view(x.shape) if ctx.needs_input_grad[0] else None
-            return grad_x, (grad_weight if ctx.needs_input_grad[1] else None), None, None, None, None
+            need_x, need_weight = ctx.needs_input_grad[:2]
+            x_tw, grad_y_tw = x.reshape(-1, width).contiguous(), grad_y.reshape(-1, width).contiguous()
+            parts = _fused_parts(x_tw.shape[0], width)
+            if len(parts) == 1:
+                grad_x, grad_weight = _fused_backward(grad_y_tw, x_tw, rstd_t1, weight_w, need_x, need_weight)
+            else:
+                grad_x, grad_weight = (torch.empty_like(x_tw) if need_x else None), None
+                for rows in parts:
+                    gx, gw = _fused_backward(grad_y_tw[rows], x_tw[rows], rstd_t1[rows], weight_w, need_x,
+                                             need_weight)
+                    if need_x:
+                        grad_x[rows] = gx
+                    if need_weight:  # the parts' sums added in fp32
+                        grad_weight = gw.float() if grad_weight is None else grad_weight + gw.float()
+                    del gx, gw
+                grad_weight = grad_weight.to(weight_w.dtype) if need_weight else None
+            grad_x = grad_x.view(x.shape) if need_x else None
+            return grad_x, (grad_weight if need_weight else None), None, None, None, None
         x_tw = x.reshape(-1, width)
         grad_y_tw = grad_y.reshape(-1, width)
         need_weight = ctx.needs_input_grad[1]
