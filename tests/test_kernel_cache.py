@@ -16,8 +16,8 @@ from ulysses_lc.plan.first_step import (FA4_COMPILE_S, FLA_AUTOTUNE_S, FLEX_COMP
 from ulysses_lc.shape import ModelShape
 from ulysses_lc.tiny import tiny_model_config
 from ulysses_lc.train import TrainConfig, main, train
-from ulysses_lc.train.kernel_cache import (CACHE_VARS, FA4_CACHE_SWITCH, KERNELS_FILE, cache_environment, kernel_cache_dir, kernel_keys,
-                                           record)
+from ulysses_lc.train.kernel_cache import (CACHE_VARS, FA4_CACHE_SWITCH, KERNELS_FILE, cache_environment,
+                                           kernel_cache_dir, kernel_keys, record)
 
 
 def test_the_variables_come_from_the_flag_unless_the_user_set_them(tmp_path):
@@ -27,8 +27,8 @@ def test_the_variables_come_from_the_flag_unless_the_user_set_them(tmp_path):
     environ = {}
     fa4 = {"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(folder / "fa4"), FA4_CACHE_SWITCH: "1"}
     with cache_environment(folder, environ) as used:
-        assert environ == {"TRITON_CACHE_DIR": str(folder / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
-                           **fa4}
+        assert environ == {"TRITON_CACHE_DIR": str(folder / "triton"),
+                           "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), **fa4}
         assert {source for _, source in used.values()} == {"--kernel-cache"}
     assert environ == {}  # as it was
     # The user's own folder stays; torch's default, which importing its compiler sets, is no user's choice; so does
@@ -38,7 +38,8 @@ def test_the_variables_come_from_the_flag_unless_the_user_set_them(tmp_path):
         assert environ == {"TRITON_CACHE_DIR": "/mine", "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
                            **fa4, FA4_CACHE_SWITCH: "0"}
         assert used["TRITON_CACHE_DIR"] == ("/mine", "set by you")
-    assert environ == {"TRITON_CACHE_DIR": "/mine", "TORCHINDUCTOR_CACHE_DIR": default_cache_dir(), FA4_CACHE_SWITCH: "0"}
+    assert environ == {"TRITON_CACHE_DIR": "/mine", "TORCHINDUCTOR_CACHE_DIR": default_cache_dir(),
+                       FA4_CACHE_SWITCH: "0"}
     # inductor's own Triton folder (its first kernel sets it) is torch's too
     environ = {"TRITON_CACHE_DIR": os.path.join(default_cache_dir(), "triton", "0")}
     with cache_environment(folder, environ):

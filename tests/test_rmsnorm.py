@@ -225,7 +225,8 @@ def test_the_fused_path_saves_input_and_rstd_and_passes_its_gradients_through(mo
     x = torch.randn(2, 24, 9, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()  # not contiguous
     g = torch.randn(2, 9, 24, dtype=torch.bfloat16)
     out = RMSNormFunction.apply(x, weight, 1e-6)
-    assert out.shape == x.shape and torch.equal(out.reshape(-1, 24), _reference_fused(x.reshape(-1, 24), weight, 1e-6)[0])
+    assert out.shape == x.shape
+    assert torch.equal(out.reshape(-1, 24), _reference_fused(x.reshape(-1, 24), weight, 1e-6)[0])
     saved = out.grad_fn.saved_tensors
     assert [t.shape for t in saved] == [x.shape, weight.shape, (18, 1)] and saved[2].dtype == torch.float32
     gx, gw = torch.autograd.grad(out, (x, weight), g)

@@ -3,8 +3,8 @@
 for the window layers, FlashAttention-4's JIT compile of its kernels (kernel 'fa4', which then runs the window
 layers too: no flex).
 
-  kernel_kinds(shape, deltanet_path, seq_len)   which of the two a model's step runs on a GPU
-  first_step_extra_seconds(kinds)              their one-time cost, from the measured constants below
+  kernel_kinds(shape, deltanet_path, seq_len, kernel)   which of the three a model's step runs on a GPU
+  first_step_extra_seconds(kinds)                      their one-time cost, from the measured constants below
 
 fla autotunes once per kernel and autotune key (its keys are heads, head dims and the chunk size, never the length:
 `T` is do_not_specialize), and every gated DeltaNet layer of a model has the same shape, so the cost is one per run,
@@ -74,4 +74,5 @@ def first_step_extra_seconds(kinds) -> float:
     return sum(FIRST_STEP_S[kind] for kind in kinds)
 
 
-__all__ = ["FA4_COMPILE_S", "FIRST_STEP_S", "FLA_AUTOTUNE_S", "FLEX_COMPILE_S", "first_step_extra_seconds", "kernel_kinds"]
+__all__ = ["FA4_COMPILE_S", "FIRST_STEP_S", "FLA_AUTOTUNE_S", "FLEX_COMPILE_S", "first_step_extra_seconds",
+           "kernel_kinds"]

@@ -1,7 +1,7 @@
 """Where the kernels a run tunes or compiles on its first step are kept for the next run (--kernel-cache), and whether
 this run's are there already.
 
-Two kinds of kernel cost time on a fresh machine (plan/first_step.py has the measured seconds):
+Three kinds of kernel cost time on a fresh machine (plan/first_step.py has the measured seconds):
   - fla-core's gated DeltaNet kernels autotune on first use (`triton.autotune(..., cache_results=True)`, on unless
     FLA_CACHE_RESULTS=0): Triton writes each kernel's winner to TRITON_CACHE_DIR as `<hash>/<kernel>.autotune.json`,
     the hash over Triton's version, the GPU's architecture, the kernel's source and its autotune key (fla's: heads,
@@ -12,7 +12,7 @@ Two kinds of kernel cost time on a fresh machine (plan/first_step.py has the mea
     causal, each window, sinks), into FLASH_ATTENTION_CUTE_DSL_CACHE_DIR where FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED
     is 1 (flash-attn-4's cache_utils: off by default; the job turns it on unless you set it). flash-attn-4 reads both
     when `flash_attn.cute` is first imported, which the job does inside this block.
-Both default to folders of the home or /tmp that a fresh node lacks. The job points both into one folder: --kernel-cache,
+All default to folders of the home or /tmp that a fresh node lacks. The job points all into one folder: --kernel-cache,
 default `kernel_cache/` beside the run folder (runs/kernel_cache beside runs/<model>-<time>), so a resume and later runs
 of any model find what earlier ones built; a variable the user set is kept. Every rank computes the folder from the
 same flags (same_flags.py compares them on every rank), so the ranks of a node share one copy. Across nodes the
@@ -72,10 +72,11 @@ def cache_vars(folder: Path, environ=None) -> dict[str, tuple[str, str]]:
 
 @contextlib.contextmanager
 def cache_environment(folder: Path, environ=None):
-    """Point Triton's and inductor's caches into `folder` for the block, where the user has not set them; yields
-    cache_vars. Entered before anything compiles (the model's load probes fla's kernels); the variables are as they
-    were afterwards. Both compilers read them at each use, not at import. A folder this block made and left without
-    a file (a CPU run builds no kernel, yet torch makes inductor's folder) is removed again."""
+    """Point Triton's, inductor's and flash-attn-4's caches into `folder` for the block, where the user has not set
+    them (and flash-attn-4's switch on); yields cache_vars. Entered before anything compiles (the model's load probes
+    fla's kernels); the variables are as they were afterwards. Triton and inductor read them at each use,
+    flash-attn-4 at its import. A folder this block made and left without a file (a CPU run builds no kernel, yet
+    torch makes inductor's folder) is removed again."""
     environ = os.environ if environ is None else environ
     before = {var: environ.get(var) for var in (*CACHE_VARS, FA4_CACHE_SWITCH)}
     existed = folder.exists()
@@ -233,5 +234,5 @@ class RunKernels:
         self.found.update({kind: "this run" for kind in missing})
 
 
-__all__ = ["CACHE_VARS", "FA4_CACHE_SWITCH", "KERNELS_FILE", "RunKernels", "cache_environment", "cache_vars", "cached", "kernel_cache_dir",
-           "kernel_keys", "kernels_line", "record"]
+__all__ = ["CACHE_VARS", "FA4_CACHE_SWITCH", "KERNELS_FILE", "RunKernels", "cache_environment", "cache_vars", "cached",
+           "kernel_cache_dir", "kernel_keys", "kernels_line", "record"]
