@@ -181,18 +181,36 @@ def start_peak(rec: dict, dev: torch.device):
     if dev.type == "cuda":
         rec["static_gb"] = torch.cuda.memory_allocated(dev) / GB
         torch.cuda.reset_peak_memory_stats(dev)
+        rec["_allocator_before"] = _allocator_counts(dev)
+
+
+# The caching allocator's counters that cost the GPU time: a failed allocation frees the cache and retries (a device
+# synchronize), and device mallocs / frees (with expandable segments, maps and unmaps). Near a full GPU, as the
+# memory plan runs, these are what can leave the GPU idle mid-step.
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
+
+
+def _allocator_counts(dev: torch.device) -> dict:
+    stats = torch.cuda.memory_stats(dev)
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
 
 
 def end_peak(rec: dict, dev: torch.device):
-    """After the timed step: its peak GPU memory (allocated, reserved) and the host's RSS and peak RSS."""
+    """After the timed step: its peak GPU memory (allocated, reserved), the allocator's counters over it
+    (ALLOCATOR_COUNTS) and the host's RSS and peak RSS."""
     if dev.type == "cuda":
         rec["peak_gb"] = torch.cuda.max_memory_allocated(dev) / GB
         rec["peak_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / GB
+        before = rec.pop("_allocator_before", None)
+        if before is not None:
+            after = _allocator_counts(dev)
+            rec["allocator"] = {k: after[k] - before[k] for k in ALLOCATOR_COUNTS}
     rec["host_rss_gb"], rec["host_maxrss_gb"] = host_gb()
 
 
 def record_failure(rec: dict, e: BaseException, dev: torch.device):
     """A benchmark records every failure and moves on: out of memory or error, with the peak before it."""
+    rec.pop("_allocator_before", None)
     rec["status"] = "oom" if is_oom(e) else "error"
     rec["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-600:]
     if rec["status"] == "error":
