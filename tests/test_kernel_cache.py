@@ -157,8 +157,11 @@ def test_fa4_compiles_once_per_head_shape_and_runs_the_windows_without_flex(tmp_
     # The dry run with --kernel fa4 counts it until the folder records it.
     folder = tmp_path / "kc"
     main(["--dry-run", "--model", "tiny", "--seq-len", "65536", "--kernel", "fa4", "--kernel-cache", str(folder)])
-    kernels = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("kernels"))
+    out = capsys.readouterr().out.splitlines()
+    kernels = next(line for line in out if line.strip().startswith("kernels"))
     assert "FlashAttention-4's compile of its kernels not cached: the first step adds about 10 s" in kernels, kernels
+    step = next(line for line in out if line.strip().startswith("step "))  # the rate it priced, FA4's
+    assert "attention 633 (FlashAttention-4)" in step, step
     record(folder, kernel_keys(("fa4",), qwen3, 65536, 1), "NVIDIA H200", 9.0)
     main(["--dry-run", "--model", "tiny", "--seq-len", "65536", "--kernel", "fa4", "--kernel-cache", str(folder)])
     kernels = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("kernels"))
