@@ -256,8 +256,8 @@ def _owner(e) -> str:
 
 
 def _idle_by_owner(cpu_events, spans, top: int = 300) -> dict[str, float]:
-    """Seconds of the `top` longest gaps between kernels (spans: sorted (start, end) us), each given to the deepest
-    CPU event running at its middle: what the host was doing while the GPU waited."""
+    """Seconds of the `top` longest gaps between kernels (spans: sorted, non-overlapping (start, end) us), each
+    given to the deepest CPU event running at its middle: what the host was doing while the GPU waited."""
     import bisect
 
     gaps = sorted(((b0 - a1, (a1 + b0) / 2) for (_, a1), (b0, _) in zip(spans, spans[1:]) if b0 > a1), reverse=True)
@@ -291,15 +291,13 @@ def profile_step(step, batch, dev, path: Path) -> dict:
         sync(dev)
     wall = time.perf_counter() - t0
     events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-    busy, end = 0.0, None
-    for a, b in spans:  # the union of kernel intervals (us), over all streams
-        if end is None or a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
+    merged = []  # the union of kernel intervals (us) over all streams: busy time, and the idle gaps between them
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    busy = sum(b - a for a, b in merged)
     rows = [(e.self_device_time_total / 1e6, e.count, e.key) for e in prof.key_averages()
             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     rows.sort(reverse=True)
@@ -310,13 +308,8 @@ def profile_step(step, batch, dev, path: Path) -> dict:
     owners: dict[str, float] = {}
     for e in cpu:  # each op's own kernels' time, given to the lever or node around it
         if e.self_device_time_total > 0:
-            owners[_owner(e)] = owners.get(_owner(e), 0.0) + e.self_device_time_total / 1e6
-    merged = []
-    for a, b in spans:  # the idle gaps need non-overlapping spans
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
+            owner = _owner(e)
+            owners[owner] = owners.get(owner, 0.0) + e.self_device_time_total / 1e6
     idle = _idle_by_owner(cpu, merged)
     out = dict(wall_s=wall, gpu_busy_s=busy / 1e6, gpu_idle_s=wall - busy / 1e6, kinds_s=kinds,
                owners_s=dict(sorted(owners.items(), key=lambda kv: -kv[1])[:30]),

@@ -294,6 +294,12 @@ class Job:
         """How step_seconds prices the gated DeltaNet layers, and on which path (None: the model has none)."""
         return deltanet_time.pricing_line(self.shape, self.deltanet)
 
+    @property
+    def attention_kernel(self) -> str:
+        """The kernel the step time prices attention at: `kernel` as this machine resolves "auto" for the model's heads
+        (FlashAttention-4 where installed on Hopper; on a CPU, cuDNN's rates)."""
+        return resolve_kernel(self.kernel, self.shape.head_dim, self.shape.attention_dropout)
+
     def step_seconds(self, seq_len: int, plan: MemoryPlan) -> float:
         """Predicted seconds of one step from its FLOPs (metrics.model_flops_per_step, the plan's recompute) at
         the rates measured on an H200 (below), sliding-window layers at their kernel's measured share of that rate
@@ -308,8 +314,7 @@ class Job:
                                      cached_attention_layers=plan.cache_attention_layers)
         attn_fwd = flops.attention / 3
         recomputed_fwd = attn_fwd * (plan.recompute_layers - plan.cache_attention_layers) / self.shape.layers
-        # The kernel this machine runs for "auto" (FlashAttention-4 where installed on Hopper; on a CPU, cuDNN's rates)
-        kernel = resolve_kernel(self.kernel, self.shape.head_dim, self.shape.attention_dropout)
+        kernel = self.attention_kernel
         attention = (ATTENTION_PASSES * attn_fwd + recomputed_fwd) / attention_flops_per_s(self.shape.head_dim, kernel)
         attention += _window_extra(self.shape, seq_len, plan, kernel)
         dense = (flops.hardware - flops.attention - recomputed_fwd) / MATMUL_FLOPS_PER_S

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from ..mixers import fallbacks
-from ..mixers.kernels import resolve_kernel
 from ..plan.deltanet_time import DELTANET_RULE
 from ..plan.metrics import StepLogger
 from ..plan.sizing import GB, MATMUL_FLOPS_PER_S, attention_flops_per_s
@@ -196,7 +195,7 @@ def startup_block(*, out, run, checked, layout_line: str, num_params: int, kerne
         deltanet_line = job.deltanet_line() if job is not None else None
         # the attention rate the step priced: the kernel the run takes (FlashAttention-4's where it runs)
         head_dim = job.shape.head_dim if job else 128
-        attention = resolve_kernel(job.kernel, head_dim, job.shape.attention_dropout) if job else "auto"
+        attention = job.attention_kernel if job else "auto"
         lines.append(f"step      {estimate.step_s:,.1f} s predicted (model FLOPs at an H200's measured rates: attention "
                      f"{attention_flops_per_s(head_dim, attention) / 1e12:.0f}"
                      f"{' (FlashAttention-4)' if attention == 'fa4' and head_dim <= 128 else ''}, "

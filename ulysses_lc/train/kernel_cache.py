@@ -108,22 +108,21 @@ def kernel_keys(kinds, shape, seq_len: int, sp_size: int) -> dict[str, str]:
     """{kind: what keys its tuning or compile}: the versions, and what one rank runs (fla: its gated DeltaNet heads and
     head dims, any length; flex: its attention heads, head dim, windows and the length)."""
     base = f"torch {_version('torch')}, Triton {_version('triton')}"
+    windows = ", ".join(map(str, sorted({w for w in shape.layer_windows or () if w is not None})))
     keys = {}
     if "fla" in kinds:
         hk, hv, dk, dv = shape.linear_heads
         keys["fla"] = (f"fla-core {_version('fla-core')}, {base}: {max(hk // sp_size, 1)} key / {hv // sp_size} "
                        f"value heads of {dk} / {dv} per rank")
     if "fa4" in kinds:
-        windows = sorted({w for w in shape.layer_windows or () if w is not None})
         keys["fa4"] = (f"flash-attn-4 {_version('flash-attn-4')}, nvidia-cutlass-dsl {_version('nvidia-cutlass-dsl')}, "
                        f"torch {_version('torch')}: {shape.heads // sp_size} / {max(shape.kv_heads // sp_size, 1)} "
                        f"heads of {shape.head_dim} per rank"
-                       + (f", windows {', '.join(map(str, windows))}" if windows else "")
+                       + (f", windows {windows}" if windows else "")
                        + (" with sinks" if shape.sinks else ""))
     if "flex" in kinds:
-        windows = sorted({w for w in shape.layer_windows if w is not None})
         keys["flex"] = (f"{base}: {seq_len} tokens, {shape.heads // sp_size} heads of {shape.head_dim} per rank, "
-                        f"windows {', '.join(map(str, windows))}{' with sinks' if shape.sinks else ''}")
+                        f"windows {windows}{' with sinks' if shape.sinks else ''}")
     return keys
 
 
