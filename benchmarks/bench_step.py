@@ -276,6 +276,12 @@ def _idle_by_owner(cpu_events, spans, top: int = 300) -> dict[str, float]:
     return idle
 
 
+def _profiled(name: str) -> bool:
+    """BENCH_PROFILE=1 profiles every variant; BENCH_PROFILE=a,b only the variants named (a call's time is short)."""
+    want = os.environ.get("BENCH_PROFILE", "")
+    return want == "1" or name in want.split(",")
+
+
 def profile_step(step, batch, dev, path: Path) -> dict:
     """BENCH_PROFILE=1: one more step at the same length under torch.profiler (CUDA activity), after the timed one,
     so the timed step stays clean. Writes `path`: the GPU's time by kind of kernel (attention fwd / bwd, gemm, copy,
@@ -422,7 +428,7 @@ def run_variant(spec: dict) -> dict:
         rec["tflops_model"] = flops.model / step_s / 1e12
         rec["tflops_hardware"] = flops.hardware / step_s / 1e12
         rec["tflops_effective"] = flops.effective / step_s / 1e12
-        if os.environ.get("BENCH_PROFILE") and os.environ.get("BENCH_PROFILE_DIR"):
+        if _profiled(spec["name"]) and os.environ.get("BENCH_PROFILE_DIR"):
             rec["phase"] = "profile"
             rec["profile"] = profile_step(step, batch, dev,
                                           Path(os.environ["BENCH_PROFILE_DIR"]) / f"profile_{slug(spec['name'])}.txt")
