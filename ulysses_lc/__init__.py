@@ -34,6 +34,7 @@ from .handle import Handle  # noqa: E402
 from .levers.checkpointing import CheckpointHandle, install_checkpointing  # noqa: E402
 from .levers.chunked_loss import ChunkedLossHead, chunked_cross_entropy, install_chunked_loss_head  # noqa: E402
 from .levers.rmsnorm import install_efficient_rmsnorm  # noqa: E402
+from .levers.rope import install_fused_rope  # noqa: E402
 from .levers.tiled_mlp import TiledMLP, install_tiled_mlp  # noqa: E402
 from .levers.yarn import apply_yarn, load_model_for_length, yarn_rope_parameters  # noqa: E402
 from .mixers.attention import UlyssesAttention, check_model_for_ulysses, install_ulysses_attention  # noqa: E402
@@ -101,6 +102,7 @@ __all__ = [
     "install_checkpointing",
     "install_chunked_loss_head",
     "install_efficient_rmsnorm",
+    "install_fused_rope",
     "install_linear_attention",
     "install_tiled_mlp",
     "install_ulysses_attention",

@@ -31,6 +31,7 @@ from .peft_support import base_model, causal_lm, check_peft_model
 from .objectives.preference import document_log_probs
 from .recompute import RecomputeContext
 from .levers.rmsnorm import install_efficient_rmsnorm
+from .levers.rope import install_fused_rope
 from .shape import ModelShape, text_config
 from .levers.tiled_mlp import install_tiled_mlp, plain_parameter_name
 
@@ -85,6 +86,9 @@ class SequenceParallelCausalLM(nn.Module):
         memory). `use_plan` changes it between steps; `plan_step` makes one from the memory free once ZeRO-3
         has allocated its partitions.
       efficient_norm: RMSNorms save their bf16 input instead of fp32 copies (rmsnorm.py).
+      fused_rope: RoPE as one Triton kernel each way on CUDA instead of transformers' five eager passes, within one
+        rounding of them (rope.py). Off by default until its CUDA test has run on a GPU; on the CPU it changes
+        nothing.
       attention_head_groups: run the attention kernel over this many groups of kv heads one after another,
         so its backward's own working block exists one group at a time ("auto": the fewest groups that keep
         it under 1 GiB, CUDA only; kernels.attention_head_groups). Exact: the kernel's numbers per head.
@@ -105,6 +109,7 @@ class SequenceParallelCausalLM(nn.Module):
         plan: MemoryPlan | None = None,
         min_offload_bytes: int | None = None,
         efficient_norm: bool = True,
+        fused_rope: bool = False,
         attention_head_groups: int | str = "auto",
     ):
         super().__init__()
@@ -138,6 +143,8 @@ class SequenceParallelCausalLM(nn.Module):
         self.deltanet_kernel = linear.kernel or "torch"  # what the memory plan prices their recurrence at
         if efficient_norm:
             self.levers.append(install_efficient_rmsnorm(lm))
+        if fused_rope:
+            self.levers.append(install_fused_rope(lm))
         if chunked_loss:
             self.levers.append(install_chunked_loss_head(lm, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:
