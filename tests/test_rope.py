@@ -10,6 +10,7 @@ fp32 to bf16 toward zero (its create_fp_trunc; Triton's compiled cast rounds to 
 
 import pytest
 import torch
+from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.qwen3 import modeling_qwen3
 
 from tests.models import VOCAB, build
@@ -18,6 +19,8 @@ from ulysses_lc.levers import rope
 pytest.importorskip("triton", reason="the fused RoPE kernel is Triton's (installed with the test extra)")
 
 LLAMA_FORM = modeling_qwen3.apply_rotary_pos_emb
+# transformers' own function of each form of rope.FORMS: the Llama form, and gpt-oss's (cos and sin half the head)
+OWN = {"llama": LLAMA_FORM, "half": modeling_gpt_oss.apply_rotary_pos_emb}
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def interpreted(monkeypatch):
     return calls
 
 
-def _inputs(dtype, b, b_cos, h, h_kv, s, d, seed=0, layout="bshd"):
+def _inputs(dtype, b, b_cos, h, h_kv, s, d, seed=0, layout="bshd", form="llama"):
     g = torch.Generator().manual_seed(seed)
 
     def heads(n):  # q and k as transformers hands them over: [b, h, s, d] views of [b, s, h, d] projections
@@ -44,8 +47,9 @@ def _inputs(dtype, b, b_cos, h, h_kv, s, d, seed=0, layout="bshd"):
 
     q, k = heads(h).requires_grad_(), heads(h_kv).requires_grad_()
     angles = torch.rand(b_cos, s, d // 2, generator=g) * 20
-    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
-    return q, k, cos, sin
+    if form == "llama":  # transformers' rotary modules repeat the half's angles
+        angles = torch.cat((angles, angles), -1)
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def _forward_backward(fn, q, k, cos, sin, grad_dtype, seed=1):
@@ -66,16 +70,17 @@ SHAPES = [  # b, b_cos, h, h_kv, s, d: GQA; a batch with its own positions per r
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_the_kernel_computes_the_llama_form_forward_and_backward(interpreted, monkeypatch, dtype, shape, layout):
+@pytest.mark.parametrize("layout,form", [("bshd", "llama"), ("bhsd", "llama"), ("bshd", "half")])
+def test_the_kernel_computes_each_form_forward_and_backward(interpreted, monkeypatch, dtype, shape, layout, form):
     # _PROGRAM_ELEMENTS small: two heads a program, so a token's heads span programs and the last one is ragged.
     monkeypatch.setattr(rope, "_PROGRAM_ELEMENTS", 2 * shape[-1])
-    q, k, cos, sin = _inputs(dtype, *shape, layout=layout)
-    assert rope.takes(q, k, cos, sin)
+    q, k, cos, sin = _inputs(dtype, *shape, layout=layout, form=form)
+    assert rope.takes(q, k, cos, sin, form=form) and not rope.takes(q, k, cos, sin, form=next(
+        other for other in rope.FORMS if other != form))
     ours = _forward_backward(rope.FusedRoPE.apply, q, k, cos, sin, q.dtype)
     assert interpreted == [False, False, True, True]  # q and k forward, then their gradients
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    exact = _forward_backward(LLAMA_FORM, q64, k64, cos.double(), sin.double(), q.dtype)
+    exact = _forward_backward(OWN[form], q64, k64, cos.double(), sin.double(), q.dtype)
     for name, got, want in zip(("q", "k", "dq", "dk"), ours, exact):
         assert got.dtype == dtype and got.shape == want.shape, name
         err = (got.double() - want).abs()
@@ -89,7 +94,7 @@ def test_the_kernel_computes_the_llama_form_forward_and_backward(interpreted, mo
 
 def test_calls_the_kernel_does_not_take_run_the_modules_own_function(interpreted):
     q, k, cos, sin = _inputs(torch.float32, 1, 1, 4, 2, 6, 8)
-    wrapped = rope._fused_form(LLAMA_FORM)
+    wrapped = rope._fused_form(LLAMA_FORM, "llama")
     others = {
         "partial rotary (cos over half the head)": (q, k, cos[..., :4], sin[..., :4]),
         "float64": (q.double(), k.double(), cos.double(), sin.double()),
@@ -121,14 +126,17 @@ def test_install_switches_llama_forms_per_module_and_the_last_undo_gives_them_ba
     first, second = rope.install_fused_rope(qwen_a), rope.install_fused_rope(qwen_b)
     assert first.switched == second.switched == ["transformers.models.qwen3.modeling_qwen3"]
     assert modeling_qwen3.apply_rotary_pos_emb.ulysses_lc_original is LLAMA_FORM
+    assert modeling_qwen3.apply_rotary_pos_emb.ulysses_lc_form == "llama"
     first.undo()
     assert modeling_qwen3.apply_rotary_pos_emb is not LLAMA_FORM  # the second install still holds it
     second.undo()
     assert modeling_qwen3.apply_rotary_pos_emb is LLAMA_FORM
-    # gpt-oss's form (cos and sin over half the head, its own rotation) is another function: left alone
-    left = rope.install_fused_rope(gpt_oss)
-    assert left.switched == [] and list(left.left) == ["transformers.models.gpt_oss.modeling_gpt_oss"]
-    left.undo()
+    # gpt-oss's form: cos and sin over half the head, the same rotation
+    third = rope.install_fused_rope(gpt_oss)
+    assert third.switched == ["transformers.models.gpt_oss.modeling_gpt_oss"] and third.left == {}
+    assert modeling_gpt_oss.apply_rotary_pos_emb.ulysses_lc_form == "half"
+    third.undo()
+    assert modeling_gpt_oss.apply_rotary_pos_emb is OWN["half"]
 
 
 def test_a_changed_upstream_form_is_caught_at_install(monkeypatch):
@@ -138,15 +146,16 @@ def test_a_changed_upstream_form_is_caught_at_install(monkeypatch):
 
     monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", changed)
     handle = rope.install_fused_rope(build("qwen3"))
-    assert handle.switched == [] and "differs from the Llama form" in handle.left[modeling_qwen3.__name__]
+    assert handle.switched == [] and "differs from the llama form" in handle.left[modeling_qwen3.__name__]
     assert modeling_qwen3.apply_rotary_pos_emb is changed
 
 
-# The families whose attention runs the Llama form over the whole head: the kernel must run in them (the others
-# switch a function their attention does not reach at these configs, partial rotary or MLA, or are left alone).
+# The families whose attention runs a form of rope.FORMS over the whole head: the kernel must run in them (the others
+# switch a function their attention does not reach at these configs: partial rotary, or MLA's interleaved RoPE).
 KERNEL_RUNS = {"HuggingFaceTB/SmolLM2-135M", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-8B", "google/gemma-3-1b-it",
                "google/gemma-3-27b-it", "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-3B",
-               "meta-llama/Llama-3.3-70B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-v0.1"}
+               "meta-llama/Llama-3.3-70B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-v0.1",
+               "openai/gpt-oss-20b", "openai/gpt-oss-120b"}
 
 
 def test_published_configs_train_the_same_with_the_fused_rope(interpreted):
@@ -206,17 +215,17 @@ def test_the_wrapper_option_installs_it_and_trains_the_same_at_global_positions(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel compiled by Triton)")
-@pytest.mark.parametrize("h,h_kv,d", [(32, 8, 128), (16, 8, 128), (64, 8, 64)])
-def test_the_compiled_kernel_on_cuda_matches_the_llama_form(h, h_kv, d):
-    """The Qwen3-4B, Qwen3-0.6B and gpt-oss-like heads at 4,096 tokens, bf16 on the GPU: within one bf16 rounding
-    of float64 and never further than transformers' own bf16 result (as on the CPU, compiled this time)."""
+@pytest.mark.parametrize("h,h_kv,d,form", [(32, 8, 128, "llama"), (16, 8, 128, "llama"), (64, 8, 64, "half")])
+def test_the_compiled_kernel_on_cuda_matches_each_form(h, h_kv, d, form):
+    """The Qwen3-4B, Qwen3-0.6B and gpt-oss heads at 4,096 tokens, bf16 on the GPU: within one bf16 rounding of
+    float64 and never further than transformers' own bf16 result (as on the CPU, compiled this time)."""
     q, k, cos, sin = (t.cuda() if not t.requires_grad else t.detach().cuda().requires_grad_()
-                      for t in _inputs(torch.bfloat16, 1, 1, h, h_kv, 4096, d))
-    assert rope.takes(q, k, cos, sin)
+                      for t in _inputs(torch.bfloat16, 1, 1, h, h_kv, 4096, d, form=form))
+    assert rope.takes(q, k, cos, sin, form=form)
     ours = _forward_backward(rope.FusedRoPE.apply, q, k, cos, sin, q.dtype)
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    exact = _forward_backward(LLAMA_FORM, q64, k64, cos.double(), sin.double(), q.dtype)
-    theirs = _forward_backward(LLAMA_FORM, q, k, cos, sin, q.dtype)
+    exact = _forward_backward(OWN[form], q64, k64, cos.double(), sin.double(), q.dtype)
+    theirs = _forward_backward(OWN[form], q, k, cos, sin, q.dtype)
     for name, got, want, hf in zip(("q", "k", "dq", "dk"), ours, exact, theirs):
         err = (got.double() - want).abs()
         assert (err <= 2**-8 * want.abs()).all(), (name, err.max().item())

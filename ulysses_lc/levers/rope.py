@@ -1,7 +1,7 @@
 """Fused RoPE: transformers' rotary embedding as one Triton kernel each way instead of five eager passes, on CUDA.
 
 Legend (shape.py). transformers applies RoPE in each attention forward as `q * cos + rotate_half(q) * sin` (and
-the same for k) in the model's dtype: a broadcast multiply, a negated half, a cat, a second multiply and an add,
+the same for k; gpt-oss's form the same rotation from cos and sin of half the head's width) in the model's dtype: a broadcast multiply, a negated half, a cat, a second multiply and an add,
 each a pass over q and k, in the forward, again in the checkpoint recompute, and about as many in the backward.
 On the Qwen3-4B shape at 128k tokens those kernels (bf16 broadcast multiplies, neg, cat, adds) are about 1 s of a
 39.7 s step by bench_step.py's profile of 2026-12-04 (BENCHMARKS.md, "Where the FA4 step's time goes"); the
@@ -9,12 +9,12 @@ kernel (rope_kernel.py) reads q and k once and writes them once each way. It com
 transformers rounds three times: within one rounding of the model's dtype of transformers', and closer to fp32.
 
 `install_fused_rope(model)` switches the function `apply_rotary_pos_emb` of the modeling module of each attention
-class in `model` that calls it, where that function computes the Llama form (compared on a small tensor at
-install, as rmsnorm.py compares its forms; 124 of transformers 5.25's modeling modules have it). A module's
-function is one per process: every model of that family in the process takes the fused path until the last
-handle's undo gives the module its own function back. The fused path takes CUDA tensors with cos and sin over the
-whole head dim ([b or 1, s, d], unsqueeze_dim 1) in q's dtype; any other call (partial rotary, the CPU, cos with a
-gradient) runs the module's own function.
+class in `model` that calls it, where that function computes one of the two forms (FORMS; compared on a small
+tensor at install, as rmsnorm.py compares its forms; 124 of transformers 5.25's modeling modules have the Llama
+form). A module's function is one per process: every model of that family in the process takes the fused path
+until the last handle's undo gives the module its own function back. The fused path takes CUDA tensors with cos and
+sin of the form's width ([b or 1, s, d], gpt-oss's [b or 1, s, d / 2]; unsqueeze_dim 1) in q's dtype; any other
+call (partial rotary, the CPU, cos with a gradient) runs the module's own function.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Elements of q or k one program handles (its heads of one token): Qwen3-4B's 32 heads of 128 in one program.
 _PROGRAM_ELEMENTS = 4096
+# The rotary forms the kernel computes, by the width of their cos and sin in halves of the head dim: the Llama form's
+# cover the whole head (each half its own), gpt-oss's one half (the same for both halves).
+FORMS = {"llama": 2, "half": 1}
 # Run the kernel in Triton's interpreter on CPU tensors (the tests' switch, on machines without a GPU; slow).
 INTERPRET_ON_CPU = False
 
@@ -64,18 +67,19 @@ def _runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and INTERPRET_ON_CPU)
 
 
-def takes(q_bhsd, k_bhsd, cos_bsd, sin_bsd, unsqueeze_dim=1) -> bool:
-    """Whether the fused path computes this call of the Llama form: q [b, h, s, d], k [b, h_kv, s, d], cos and sin
-    [b or 1, s, d] (the whole head dim) without a gradient, all in one dtype on one device where the kernel runs."""
+def takes(q_bhsd, k_bhsd, cos_bsd, sin_bsd, unsqueeze_dim=1, form: str = "llama") -> bool:
+    """Whether the fused path computes this call of `form`: q [b, h, s, d], k [b, h_kv, s, d], cos and sin
+    [b or 1, s, d] (the Llama form) or [b or 1, s, d / 2] (gpt-oss's) without a gradient, all in one dtype on one
+    device where the kernel runs."""
     tensors = (q_bhsd, k_bhsd, cos_bsd, sin_bsd)
     if unsqueeze_dim != 1 or not all(isinstance(t, torch.Tensor) for t in tensors):
         return False
     if q_bhsd.dim() != 4 or k_bhsd.dim() != 4 or cos_bsd.dim() != 3 or sin_bsd.shape != cos_bsd.shape:
         return False
     b, _, s, d = q_bhsd.shape
-    if k_bhsd.shape[0] != b or tuple(k_bhsd.shape[2:]) != (s, d) or tuple(cos_bsd.shape[1:]) != (s, d):
+    if d % 2 or k_bhsd.shape[0] != b or tuple(k_bhsd.shape[2:]) != (s, d):
         return False
-    if cos_bsd.shape[0] not in (1, b) or d % 2:
+    if tuple(cos_bsd.shape[1:]) != (s, d // 2 * FORMS[form]) or cos_bsd.shape[0] not in (1, b):
         return False
     if len({t.dtype for t in tensors}) != 1 or q_bhsd.dtype not in _DTYPES:
         return False
@@ -89,9 +93,9 @@ def _next_power_of_2(n: int) -> int:
 
 
 def rope_bhsd(x_bhsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor, backward: bool = False):
-    """The Llama form of x [b, h, s, d] (backward=True: its transpose, for a gradient) by the kernel, returned as
-    [b, h, s, d] over a [b, s, h, d] tensor: the layout transformers' own (elementwise) result has for q and k
-    transposed from their projections."""
+    """The rotary form of x [b, h, s, d] that cos's width names (d: the Llama form, d / 2: gpt-oss's; backward=True:
+    its transpose, for a gradient) by the kernel, returned as [b, h, s, d] over a [b, s, h, d] tensor: the layout
+    transformers' own (elementwise) result has for q and k transposed from their projections."""
     x_bshd = x_bhsd.transpose(1, 2)
     if not x_bshd.is_contiguous():
         x_bshd = x_bshd.contiguous()
@@ -101,19 +105,21 @@ def rope_bhsd(x_bhsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor
         return y_bshd.transpose(1, 2)
     cos_bsd, sin_bsd = cos_bsd.contiguous(), sin_bsd.contiguous()
     half = d // 2
+    assert cos_bsd.shape[-1] in (d, half), (cos_bsd.shape, d)
     half_pad = _next_power_of_2(half)
     block_h = min(_next_power_of_2(h), max(1, _PROGRAM_ELEMENTS // (2 * half_pad)))
     grid = (b * s, -(-h // block_h))
     cos_batch_stride = cos_bsd.stride(0) if cos_bsd.shape[0] > 1 else 0
-    _kernel(x_bshd.device)[grid](x_bshd, y_bshd, cos_bsd, sin_bsd, s, cos_batch_stride, cos_bsd.stride(1), h,
-                                 HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, BACKWARD=backward)
+    cos_second = half if cos_bsd.shape[-1] == d else 0
+    _kernel(x_bshd.device)[grid](x_bshd, y_bshd, cos_bsd, sin_bsd, s, cos_batch_stride, cos_bsd.stride(1), cos_second,
+                                 h, HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, BACKWARD=backward)
     return y_bshd.transpose(1, 2)
 
 
 class FusedRoPE(torch.autograd.Function):
-    """(q_embed, k_embed): the Llama form of q [b, h, s, d] and k [b, h_kv, s, d] with cos, sin [b or 1, s, d], one
-    kernel per tensor each way (rope_kernel.py). Saves cos and sin (on the device, as transformers' own multiplies
-    save them); sends nothing."""
+    """(q_embed, k_embed): the rotary form of q [b, h, s, d] and k [b, h_kv, s, d] with cos, sin [b or 1, s, d] (the
+    Llama form) or [b or 1, s, d / 2] (gpt-oss's), one kernel per tensor each way (rope_kernel.py). Saves cos and sin
+    (on the device, as transformers' own multiplies save them); sends nothing."""
 
     @staticmethod
     def forward(ctx, q_bhsd, k_bhsd, cos_bsd, sin_bsd):
@@ -130,42 +136,58 @@ class FusedRoPE(torch.autograd.Function):
 
 
 def reference_rope(x_bhsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor) -> torch.Tensor:
-    """The Llama form in fp32 (what the kernel computes before its one rounding): x cos + rotate_half(x) sin."""
+    """The rotary form in fp32 (what the kernel computes before its one rounding): x cos + rotate_half(x) sin, with a
+    half-width cos and sin (gpt-oss's) serving both halves."""
     x, cos, sin = x_bhsd.float(), cos_bsd.float().unsqueeze(1), sin_bsd.float().unsqueeze(1)
     half = x.shape[-1] // 2
+    if cos.shape[-1] == half:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _fused_form(original):
+def _fused_form(original, form: str):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = kwargs.get("unsqueeze_dim", args[0] if args else 1)
-        if len(args) + len(kwargs) <= 1 and set(kwargs) <= {"unsqueeze_dim"} and takes(q, k, cos, sin, unsqueeze_dim):
+        if (len(args) + len(kwargs) <= 1 and set(kwargs) <= {"unsqueeze_dim"}
+                and takes(q, k, cos, sin, unsqueeze_dim, form)):
             return FusedRoPE.apply(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.ulysses_lc_original = original
+    apply_rotary_pos_emb.ulysses_lc_form = form
     return apply_rotary_pos_emb
 
 
-def form_differs(function) -> str | None:
-    """None when `function(q, k, cos, sin)` computes the Llama form (reference_rope) on small random tensors in fp32
-    and bf16, with cos and sin unlike each other's halves; else what differs."""
+def _form_differs(function, form: str) -> str | None:
     generator = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 3, 5, 8, generator=generator), torch.randn(1, 2, 5, 8, generator=generator)
-    cos, sin = torch.rand(1, 5, 8, generator=generator), torch.rand(1, 5, 8, generator=generator)
+    width = 4 * FORMS[form]
+    cos, sin = torch.rand(1, 5, width, generator=generator), torch.rand(1, 5, width, generator=generator)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         args = [t.to(dtype) for t in (q, k, cos, sin)]
         try:
             with torch.no_grad():
                 got = function(*args)
-        except Exception as e:  # another signature or another layout of cos (gpt-oss's half-width one)
+        except Exception as e:  # another signature, or cos of another width than this form's
             return f"{type(e).__name__}: {e}"
         for name, x, y in (("q", args[0], got[0]), ("k", args[1], got[1])):
             want = reference_rope(x, args[2], args[3])
             if y.dtype != dtype or y.shape != want.shape or not torch.allclose(y.float(), want, rtol=tol, atol=tol):
-                return f"{dtype}: {name} differs from the Llama form"
+                return f"{dtype}: {name} differs from the {form} form"
     return None
+
+
+def rotary_form(function) -> tuple[str | None, str]:
+    """(the form in FORMS that `function(q, k, cos, sin)` computes, or None; what differs otherwise): compared with
+    reference_rope on small random tensors in fp32 and bf16, cos and sin unlike each other's halves."""
+    whys = []
+    for form in FORMS:
+        why = _form_differs(function, form)
+        if why is None:
+            return form, ""
+        whys.append(why)
+    return None, "; ".join(whys)
 
 
 # module name -> [the module's own apply_rotary_pos_emb, installs holding the switch]
@@ -186,9 +208,10 @@ def rope_modules(model: nn.Module) -> list:
 
 
 def install_fused_rope(model: nn.Module) -> Handle:
-    """Switch the Llama-form apply_rotary_pos_emb of `model`'s attention classes to the fused kernel (FusedRoPE,
-    CUDA; see the module docstring); the Handle's undo() gives each module its own function back once no other
-    install holds it. `.switched`: the modules switched; `.left`: {module: why} for those left alone."""
+    """Switch the apply_rotary_pos_emb of `model`'s attention classes, where it computes a form of FORMS, to the
+    fused kernel (FusedRoPE, CUDA; see the module docstring); the Handle's undo() gives each module its own function
+    back once no other install holds it. `.switched`: the modules switched; `.left`: {module: why} for those left
+    alone."""
     switched, left = [], {}
     for python_module in rope_modules(model):
         name = python_module.__name__
@@ -197,13 +220,14 @@ def install_fused_rope(model: nn.Module) -> Handle:
             switched.append(python_module)
             continue
         own = python_module.apply_rotary_pos_emb
-        why = form_differs(own)
-        if why is not None:
+        form, why = rotary_form(own)
+        if form is None:
             left[name] = why
-            logger.info("fused RoPE: %s.apply_rotary_pos_emb is not the Llama form (%s); it keeps its own", name, why)
+            logger.info("fused RoPE: %s.apply_rotary_pos_emb computes no form of FORMS (%s); it keeps its own", name,
+                        why)
             continue
         _SWITCHED[name] = [own, 1]
-        python_module.apply_rotary_pos_emb = _fused_form(own)
+        python_module.apply_rotary_pos_emb = _fused_form(own, form)
         switched.append(python_module)
 
     def undo():
@@ -221,4 +245,4 @@ def install_fused_rope(model: nn.Module) -> Handle:
     return handle
 
 
-__all__ = ["FusedRoPE", "install_fused_rope", "reference_rope", "rope_bhsd", "takes"]
+__all__ = ["FORMS", "FusedRoPE", "install_fused_rope", "reference_rope", "rope_bhsd", "rotary_form", "takes"]

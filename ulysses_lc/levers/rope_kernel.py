@@ -1,11 +1,13 @@
 """RoPE's Triton kernel, forward and backward: one pass over q or k, each token's cos and sin read once for its heads.
 
 Legend (shape.py); here x is q or k as [t, h, d] rows (b s tokens, each token's heads contiguous), cos and sin
-[b_c, s, d] with b_c 1 or b. Imported only where the kernel runs (rope.py): it needs Triton.
+[b_c, s, d] (the Llama form) or [b_c, s, d / 2] (gpt-oss's) with b_c 1 or b. Imported only where the kernel runs
+(rope.py): it needs Triton.
 
-transformers' rotary form (the Llama form, rope.py) with x1, x2 the halves of a head and c1, c2, s1, s2 those of
-cos and sin:  y1 = x1 c1 - x2 s1,  y2 = x2 c2 + x1 s2.  Its transpose, the backward from dy:
-dx1 = dy1 c1 + dy2 s2,  dx2 = dy2 c2 - dy1 s1.  Both computed in fp32 and rounded once to x's dtype.
+transformers' rotary forms (rope.py) with x1, x2 the halves of a head and c1, c2, s1, s2 those of cos and sin
+(gpt-oss's: c2 = c1 and s2 = s1, one half-width cos and sin):  y1 = x1 c1 - x2 s1,  y2 = x2 c2 + x1 s2.  Its
+transpose, the backward from dy:  dx1 = dy1 c1 + dy2 s2,  dx2 = dy2 c2 - dy1 s1.  Both computed in fp32 and rounded
+once to x's dtype.
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ import triton
 import triton.language as tl
 
 
-def _rope_rows(x_ptr, y_ptr, cos_ptr, sin_ptr, seq, cos_batch_stride, cos_seq_stride, heads,
+def _rope_rows(x_ptr, y_ptr, cos_ptr, sin_ptr, seq, cos_batch_stride, cos_seq_stride, cos_second, heads,
                HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
     # One program: one token, BLOCK_H of its heads. Offsets in int64: past 2^31 elements at long sequences
-    # (Qwen3-4B's q at 512k tokens is 2^31).
+    # (Qwen3-4B's q at 512k tokens is 2^31). cos_second: where c2 and s2 start in a row of cos and sin (HALF, or 0
+    # for a half-width cos whose one half serves both).
     token = tl.program_id(0).to(tl.int64)
     cs = (token // seq) * cos_batch_stride + (token % seq) * cos_seq_stride
     j = tl.arange(0, HALF_PAD)
     in_half = j < HALF
     c1 = tl.load(cos_ptr + cs + j, mask=in_half, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + cs + HALF + j, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + cs + cos_second + j, mask=in_half, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + cs + j, mask=in_half, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + cs + HALF + j, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + cs + cos_second + j, mask=in_half, other=0.0).to(tl.float32)[None, :]
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (h < heads)[:, None] & in_half[None, :]
     offsets = token * heads * (2 * HALF) + (h * (2 * HALF))[:, None] + j[None, :]
