@@ -221,7 +221,7 @@ def run_step(spec):
                               spec.get("smoke", False))
         layout = ParallelLayout.build(1)
         if spec["kind"] == "ours":
-            module, batch_fn, fwd_bwd = setup_ours(model, layout)
+            module, batch_fn, fwd_bwd = setup_ours(model, layout, **spec.get("levers", {}))
         else:
             module, batch_fn, fwd_bwd = setup_stock(model)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -300,7 +300,8 @@ def table(kernel_rows, step_rows):
                      f"{','.join(r.get('backend', []))}")
     lines.append("step (gpt-oss-20b shape)   layers  tokens    status  step s   peak GB  model TF/s")
     for r in step_rows:
-        lines.append(f"{r['kind']:<26} {r['layers']:<7} {r['seq']:<9} {r['status']:<7} {r.get('step_s', 0):7.2f} "
+        kind = r["kind"] + ("" if not r.get("levers") else " " + ",".join(f"{k}={v}" for k, v in r["levers"].items()))
+        lines.append(f"{kind:<26} {r['layers']:<7} {r['seq']:<9} {r['status']:<7} {r.get('step_s', 0):7.2f} "
                      f"{r.get('peak_gb', 0):8.1f}  {r.get('tflops_model', 0):6.0f}")
     return "\n".join(lines)
 
@@ -318,6 +319,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="*", default=[x[0] for x in HEAD_SHAPES], choices=[x[0] for x in HEAD_SHAPES])
     p.add_argument("--iters", type=int, default=3, help="timed calls per candidate (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls of a compiled candidate first")
+    p.add_argument("--fused-rope", action="store_true",
+                   help="also time ours with fused_rope=True (levers/rope.py) after ours, in the same call")
     p.add_argument("--child")
     args = p.parse_args(argv)
     if args.child:
@@ -338,6 +341,8 @@ def main(argv=None):
         seq, layers = (args.tokens, args.layers) if cuda else (256, 2)
         specs = [dict(kind="ours", seq=seq, layers=layers, warmup=8192, est_s=120, smoke=not cuda),
                  dict(kind="stock", seq=seq, layers=layers, est_s=30, smoke=not cuda)]
+        if args.fused_rope:
+            specs.insert(1, dict(specs[0], levers=dict(fused_rope=True)))
         specs += [dict(kind="stock", seq=n, layers=layers, est_s=40, smoke=not cuda, longest=True)
                   for n in ((32768, 16384, 8192) if cuda else (128,))]  # stock's longest fitting length
         step_rows = bench_steps(specs, deadline)
