@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tests.models import build
 from ulysses_lc.levers.tiled_mlp import TiledMLP, auto_num_tiles, install_tiled_mlp
+from ulysses_lc.levers import tiled_mlp
 from ulysses_lc.levers.tiled_mlp import plain_parameter_name
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -158,3 +159,50 @@ def test_each_tiled_mlp_is_a_zero3_leaf_by_deepspeeds_own_test():
     assert len(leaves) == model.config.num_hidden_layers and all(z3_leaf_module(m) for m in leaves)
     handle.undo()
     assert get_z3_leaf_modules(model) == []
+
+
+def _tile_calls(model):
+    """Per decoder layer, how many tiles the wrapped MLP ran (a forward hook on the MLP inside each TiledMLP)."""
+    calls = []
+    for module in model.modules():
+        if isinstance(module, TiledMLP):
+            count = [0]
+            module.mlp.register_forward_hook(lambda *_, count=count: count.__setitem__(0, count[0] + 1))
+            calls.append((module, count))
+    return calls
+
+
+@pytest.mark.parametrize("family,skips", [("qwen3", True), ("gpt_oss", True), ("gemma3", False)])
+def test_a_recompute_that_stops_at_the_mlp_skips_its_tiles(family, skips, monkeypatch):
+    """Every layer checkpointed and offloaded, two tiles per MLP, three steps: from the second step on, the recompute of
+    a layer whose MLP output only feeds the residual add (Qwen3, gpt-oss's MoE block and its tuple) stops before the
+    MLP's tiles (2 tiles forward + 2 in the tiled backward, not 6); Gemma 3's post-MLP norm saves that output, so its
+    recompute keeps running them. Loss and every gradient of each step bitwise equal to the same wrapper with the
+    deferral off (no stop seen: every recompute runs the tiles, as before it)."""
+    from ulysses_lc import ParallelLayout, SequenceParallelCausalLM
+
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for deferral in (True, False):
+        if not deferral:
+            monkeypatch.setattr(tiled_mlp, "_STOP_RECOMPUTATION", None)
+        model = SequenceParallelCausalLM(build(family), layout, tiled_mlp=2)
+        calls = _tile_calls(model)
+        steps = []
+        for _ in range(3):
+            for _, count in calls:
+                count[0] = 0
+            loss = model(input_ids=ids, labels=ids)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            steps.append((loss.detach(), grads, [count[0] for _, count in calls]))
+        runs[deferral] = steps
+        assert all(m.recompute_stops_here == (skips and deferral) for m, _ in calls)
+    for step, ((loss, grads, tiles), (plain_loss, plain_grads, plain_tiles)) in enumerate(zip(*runs.values())):
+        assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys()
+        for name in grads:
+            assert torch.equal(grads[name], plain_grads[name]), (step, name)
+        assert plain_tiles == [6] * len(plain_tiles)  # forward, recompute, tiled backward: 2 tiles each
+        assert tiles == ([4] * len(tiles) if skips and step > 0 else plain_tiles), (step, tiles)

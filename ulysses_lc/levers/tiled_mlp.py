@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from ..handle import Handle
 from ..layers import decoder_layers
@@ -46,6 +47,14 @@ from ..shape import text_config
 
 
 MIN_TILE_TOKENS = 1024
+# torch's non-reentrant checkpoint (early stop on, its default) ends a layer's recompute by raising this from the pack
+# hook of the last tensor the layer's forward saved. Where that is a TiledMLP's input (layers whose MLP output only
+# feeds the residual add: Qwen3, Llama, Mistral, gpt-oss; not Gemma 3, whose post-MLP norm saves it), the MLP's output
+# in the recompute is never read: computing it there was a third MLP forward per checkpointed layer, about 0.7 s of the
+# Qwen3-4B step at 128k (21 checkpointed layers x 19.6 TFLOP at ~610 TF/s). TiledMLP learns it on the first recompute
+# that stops there and from then on defers the forward's tiles until the Function is built (`deferred`), so a recompute
+# that stops there skips them and every other call computes them as before (the same tiles, the same RNG state).
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
 # At millions of tokens a quarter of the layer input is still gigabytes: on the Llama-3.1-8B shape at sp 8 and 5.5M
 # tokens a tile of s_local / 14 holds six [c, i] of 8.5 GB, and a checkpointed layer's MLP backward then peaks above
 # its attention backward (plan/memory.py). No tile longer than this: 1.5 GB there, and matmuls of 16k rows still run
@@ -87,24 +96,18 @@ class TiledMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, mlp: Callable, x_bse: torch.Tensor, num_tiles: int, router, mask_bs, *params: torch.Tensor):
+    def forward(ctx, mlp: Callable, x_bse: torch.Tensor, num_tiles: int, router, mask_bs, deferred,
+                *params: torch.Tensor):
         ctx.mlp = mlp
         ctx.num_tiles = num_tiles
         ctx.params = params
         ctx.router, ctx.mask_bs = router, mask_bs  # attributes, not saved tensors: a recompute passes no mask
         ctx.save_for_backward(x_bse)
         ctx.rng = _rng_state(x_bse.device)
-        y_bse, sums = None, None  # the tiles' router sums (probabilities, assignments, rows)
-        for start, end in _tile_bounds(x_bse.shape[1], num_tiles):
-            with _tile_tally(router, mask_bs, start, end) as tally:
-                # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * c, e].
-                y_bce = mlp(x_bse[:, start:end].contiguous())
-            if tally is not None:
-                tile = (tally.probs_e, tally.counts_e, tally.rows)
-                sums = tile if sums is None else tuple(a + b for a, b in zip(sums, tile))
-            if y_bse is None:
-                y_bse = y_bce.new_empty((x_bse.shape[0], x_bse.shape[1], *y_bce.shape[2:]))
-            y_bse[:, start:end] = y_bce
+        if deferred is not None:  # (dtype, trailing shape) of y: the caller runs the tiles into it once built
+            dtype, trailing = deferred
+            return x_bse.new_empty((x_bse.shape[0], x_bse.shape[1], *trailing), dtype=dtype)
+        y_bse, sums = run_tiles(mlp, x_bse, num_tiles, router, mask_bs)
         if sums is None:
             return y_bse
         ctx.mark_non_differentiable(*sums[1:])
@@ -137,7 +140,23 @@ class TiledMLPFunction(torch.autograd.Function):
                     torch.autograd.backward(*zip(*pairs))
                 if need_grad_x:
                     grad_x_bse[:, start:end] = x_bce.grad if x_bce.grad is not None else 0
-        return (None, grad_x_bse, None, None, None) + (None,) * len(ctx.params)
+        return (None, grad_x_bse, None, None, None, None) + (None,) * len(ctx.params)
+
+
+def run_tiles(mlp: Callable, x_bse: torch.Tensor, num_tiles: int, router=None, mask_bs=None, out_bse=None):
+    """(y_bse, the tiles' router sums or None): mlp over x_bse tile by tile, into out_bse where given."""
+    y_bse, sums = out_bse, None  # the router sums: probabilities, assignments, rows
+    for start, end in _tile_bounds(x_bse.shape[1], num_tiles):
+        with _tile_tally(router, mask_bs, start, end) as tally:
+            # contiguous: MLPs such as Qwen3-MoE's view the tile as [b * c, e].
+            y_bce = mlp(x_bse[:, start:end].contiguous())
+        if tally is not None:
+            tile = (tally.probs_e, tally.counts_e, tally.rows)
+            sums = tile if sums is None else tuple(a + b for a, b in zip(sums, tile))
+        if y_bse is None:
+            y_bse = y_bce.new_empty((x_bse.shape[0], x_bse.shape[1], *y_bce.shape[2:]))
+        y_bse[:, start:end] = y_bce
+    return y_bse, sums
 
 
 def _tile_tally(router, mask_bs, start: int, end: int):
@@ -175,6 +194,9 @@ class TiledMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.num_tiles = num_tiles
         self.router = router  # a RouterLoss whose routers run in this MLP (router_loss.py), or None
+        # A checkpoint recompute stopped right after this MLP (_STOP_RECOMPUTATION): its later calls defer the tiles.
+        self.recompute_stops_here = False
+        self._output = None  # (x dtype, y dtype, y's trailing shape, returns a tuple) of the last computed call
         from deepspeed.utils import set_z3_leaf_module
 
         set_z3_leaf_module(self, True)  # module docstring: one gather per layer, one reduction after the last tile
@@ -201,14 +223,27 @@ class TiledMLP(nn.Module):
                 return y[0]
             return y
 
-        if self.router is None:
-            y_bse = TiledMLPFunction.apply(mlp, x_bse, num_tiles, None, None, *params)
-        else:
+        if self.router is not None:
             outer = self.router.active  # the forward's tally; None in a checkpoint's recompute
             y_bse, *sums = TiledMLPFunction.apply(mlp, x_bse, num_tiles, self.router,
-                                                  None if outer is None else outer.mask_bs, *params)
+                                                  None if outer is None else outer.mask_bs, None, *params)
             if outer is not None:
                 outer.add(*sums)
+            return (y_bse, None) if returns_tuple else y_bse
+        known = self._output
+        deferred = (known[1], known[2]) if self.recompute_stops_here and known and known[0] == x_bse.dtype else None
+        try:
+            y_bse = TiledMLPFunction.apply(mlp, x_bse, num_tiles, None, None, deferred, *params)
+        except Exception as e:
+            if _STOP_RECOMPUTATION is not None and isinstance(e, _STOP_RECOMPUTATION):
+                self.recompute_stops_here = True  # the recompute needs nothing of this call past its input
+            raise
+        if deferred is None:
+            self._output = (x_bse.dtype, y_bse.dtype, tuple(y_bse.shape[2:]), bool(returns_tuple))
+        else:  # not a recompute that stops here (a forward, or a layer whose later ops save): the tiles, as before
+            with torch.no_grad():
+                run_tiles(mlp, x_bse, num_tiles, out_bse=y_bse)
+            returns_tuple = [True] if known[3] else []
         return (y_bse, None) if returns_tuple else y_bse
 
     def extra_repr(self) -> str:
