@@ -73,7 +73,7 @@ class _LayerSaved(LayerRun):
         self.devices: list[torch.device] = []
         self.on_device: list[torch.Tensor | None] = []  # prefetched device copies
         self.prefetched = False
-        self.h2d_event = None
+        self.h2d_events: list = []  # per prefetched tensor, the event its copy back records (None on CPU)
 
     def stash(self, tensor: torch.Tensor):
         """Host memory when the layer is offloaded (the pack path of its input); the token is (slot, tensor),
@@ -190,8 +190,8 @@ class CheckpointHandle(Handle):
             self.waited_copies += 1  # not prefetched: the compute stream waits for this copy
             self._copy_to_device(saved)
         tensor = saved.on_device[slot]
-        if tensor.is_cuda:
-            torch.cuda.current_stream(tensor.device).wait_event(saved.h2d_event)
+        if tensor.is_cuda:  # this tensor's own copy, not the layer's later ones (host_pool.HostRoundTrip.to_device)
+            torch.cuda.current_stream(tensor.device).wait_event(saved.h2d_events[slot])
         # Drop our reference: the recompute owns the tensor now and frees it after use.
         saved.on_device[slot] = None
         return tensor
@@ -209,10 +209,7 @@ class CheckpointHandle(Handle):
                 "offloaded activations were already brought back for one backward; a second backward through "
                 "the same graph (retain_graph=True) is not supported with offload=True."
             )
-        on_device, event = self._copies.to_device(saved.host, saved.devices)
-        if event is not None:
-            saved.h2d_event = event
-        saved.on_device = on_device
+        saved.on_device, saved.h2d_events = self._copies.to_device(saved.host, saved.devices)
         saved.prefetched = True
         # The host copies are done with: their buffers go back to the pool now, not when the record dies with its
         # graph (a training loop holds the last loss, and with it the graph, into the next forward, which would then

@@ -129,8 +129,10 @@ class HostRoundTrip:
     `record_stream`-ed there, so its memory is not reused before the copy is done.
     to_device: the destination is allocated on the compute stream (where it is used and freed); the side stream
     waits for the compute stream (so it does not write into memory still in use there), copies, and records an
-    event the compute stream waits for before it reads. The device -> host copy was queued earlier on the same
-    side stream, so it is done first. Without CUDA both are plain copies (the CPU tests' path).
+    event per tensor that the compute stream waits for before it reads that tensor: a layer's recompute starts once
+    its input is back, while its kept attention output (1 GB a layer on the Qwen3-4B shape at 128k, 1.5x the input)
+    is still on its way. The device -> host copy was queued earlier on the same side stream, so it is done first.
+    Without CUDA both are plain copies (the CPU tests' path).
     """
 
     def __init__(self):
@@ -153,12 +155,14 @@ class HostRoundTrip:
         return host, (buf, pinned)
 
     def to_device(self, hosts: list[torch.Tensor], devices: list[torch.device]):
-        """(device copies of `hosts`, the event the compute stream waits for before reading them; None on CPU)."""
-        on_device, event = [], None
+        """(device copies of `hosts`, for each the event the compute stream waits for before reading it: None on
+        CPU)."""
+        on_device, events = [], []
         for host, device in zip(hosts, devices):
             if device.type != "cuda":
                 # CPU: a copy, so nothing of the graph aliases a pool buffer once it is reused.
                 on_device.append(host.clone())
+                events.append(None)
                 continue
             compute = torch.cuda.current_stream(device)
             side = self._side_stream(device)
@@ -169,7 +173,8 @@ class HostRoundTrip:
                 event = torch.cuda.Event()
                 event.record(side)
             on_device.append(dst)
-        return on_device, event
+            events.append(event)
+        return on_device, events
 
     def _side_stream(self, device: torch.device):
         if device not in self._side_streams:

@@ -11,7 +11,8 @@
 #   head dim 256 (2026-12-04, later): call 1 as above, then bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,wide
 #   later (issue 43's must-show, ALST in the same call): call 1 as above, then
 #           SUITE=fa4alst bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
-#   the CUDA tests never yet run on a GPU (fused RMSNorm, fused RoPE, FA4 at head dim 256), then the 4B step with
+#   the CUDA tests never yet run on a GPU (fused RMSNorm, fused RoPE, FA4 at head dim 256, the offload's per-tensor
+#   copy events), then the 4B step with
 #   the fused RoPE against the default and ALST: call 1 as above, then
 #           SUITE=fa4rope bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
@@ -50,8 +51,8 @@ if [[ $STAGES == *tests* ]]; then
 timeout 300 python3 -m pytest -q -rs tests/test_fa4.py 2>&1 | tee $OUT/tests.log | tail -5
 fi
 if [[ $STAGES == *checks* ]]; then  # the CUDA tests of kernels that changed since a GPU last ran them
-timeout 240 python3 -m pytest -q -rs tests/test_rope.py tests/test_rmsnorm.py tests/test_fa4.py -k "cuda or 256" 2>&1 \
-  | tee $OUT/checks.log | tail -6
+timeout 240 python3 -m pytest -q -rs tests/test_rope.py tests/test_rmsnorm.py tests/test_fa4.py tests/test_offload.py \
+  tests/test_kept_attention.py -k "cuda or 256" 2>&1 | tee $OUT/checks.log | tail -6
 fi
 if [[ $STAGES == *cache* ]]; then  # the kernel cache (--kernel-cache): FA4's compile in a fresh process, then in one
 # that finds what the first left (kernel_cache.cache_environment sets FLASH_ATTENTION_CUTE_DSL_CACHE_DIR / _ENABLED)
