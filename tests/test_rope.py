@@ -88,8 +88,15 @@ def test_the_kernel_computes_each_form_forward_and_backward(interpreted, monkeyp
             assert err.max().item() <= 1e-6, name
         else:  # the interpreter's truncation: one bf16 step (the CUDA test holds the compiled kernel to half)
             assert (err <= 2**-7 * want.abs()).all(), (name, err.max().item())
-    # transformers' elementwise result keeps q's [b, s, h, d] memory; so does the kernel's
-    assert ours[0].transpose(1, 2).is_contiguous() and ours[1].transpose(1, 2).is_contiguous()
+    # laid out as transformers' own result (the Llama form keeps q's strides, gpt-oss's cat is contiguous), and a
+    # tensor of its own, not a view: in-place ops on it work as on transformers'
+    eager = OWN[form](q.detach(), k.detach(), cos, sin)
+    for got, want in zip(ours[:2], eager):  # strides of the dims of more than one element
+        assert [st for st, n in zip(got.stride(), got.shape) if n > 1] == [
+            st for st, n in zip(want.stride(), want.shape) if n > 1]
+    q_out, k_out = rope.FusedRoPE.apply(q, k, cos, sin)
+    q_out.mul_(2)
+    k_out.add_(1)
 
 
 def test_calls_the_kernel_does_not_take_run_the_modules_own_function(interpreted):
@@ -230,3 +237,41 @@ def test_the_compiled_kernel_on_cuda_matches_each_form(h, h_kv, d, form):
         err = (got.double() - want).abs()
         assert (err <= 2**-8 * want.abs()).all(), (name, err.max().item())
         assert err.max().item() <= (hf.double() - want).abs().max().item(), name
+
+
+def test_the_wrapper_reads_arguments_by_the_modules_own_signature(interpreted):
+    """Some modules' functions take k=None (a query-only call) or position_ids before unsqueeze_dim: the wrapper binds
+    a call to the original's signature and takes only q, k, cos, sin with unsqueeze_dim 1, else calls the original."""
+    q, k, cos, sin = _inputs(torch.float32, 1, 1, 4, 2, 6, 8)
+
+    def query_only(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+        return LLAMA_FORM(q, q if k is None else k, cos, sin, unsqueeze_dim)
+
+    def with_positions(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return LLAMA_FORM(q, k, cos, sin, unsqueeze_dim)
+
+    wrapped = rope._fused_form(query_only, "llama")
+    q_bshd = q.transpose(1, 2)
+    for got, want in zip(wrapped(q_bshd, cos=cos, sin=sin, unsqueeze_dim=2), query_only(q_bshd, cos=cos, sin=sin,
+                                                                                          unsqueeze_dim=2)):
+        assert torch.equal(got, want)
+    assert interpreted == []
+    wrapped(q, k, cos, sin)  # the whole set: the kernel
+    assert interpreted == [False, False]
+    interpreted.clear()
+    wrapped = rope._fused_form(with_positions, "llama")
+    for got, want in zip(wrapped(q, k, cos, sin, torch.arange(6)), with_positions(q, k, cos, sin, torch.arange(6))):
+        assert torch.equal(got, want)
+    assert interpreted == []
+
+
+def test_a_function_replaced_after_the_switch_is_left_to_whoever_replaced_it(interpreted, monkeypatch):
+    first = rope.install_fused_rope(build("qwen3"))
+    def theirs(q, k, cos, sin, unsqueeze_dim=1):  # someone else's function put in its place since
+        return LLAMA_FORM(q, k, cos, sin, unsqueeze_dim)
+
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", theirs)
+    second = rope.install_fused_rope(build("qwen3"))
+    assert second.switched == [] and "replaced since" in second.left[modeling_qwen3.__name__]
+    first.undo()
+    assert modeling_qwen3.apply_rotary_pos_emb is theirs

@@ -206,3 +206,18 @@ def test_a_recompute_that_stops_at_the_mlp_skips_its_tiles(family, skips, monkey
             assert torch.equal(grads[name], plain_grads[name]), (step, name)
         assert plain_tiles == [6] * len(plain_tiles)  # forward, recompute, tiled backward: 2 tiles each
         assert tiles == ([4] * len(tiles) if skips and step > 0 else plain_tiles), (step, tiles)
+
+
+def test_a_deferred_call_is_laid_out_by_what_sets_the_output_dtype():
+    """The deferral allocates y before the tiles run, as the last computed call's was: keyed on x's dtype and autocast's
+    state, so a call under another autocast computes its tiles in its own dtype (bf16 here, as the MLP alone gives)."""
+    module = TiledMLP(build("qwen3").model.layers[0].mlp, 64, num_tiles=2)
+    x = torch.randn(1, 8, 32, requires_grad=True)
+    fp32 = module(x)
+    module.recompute_stops_here = True  # as after a recompute that stopped here: later calls defer
+    assert torch.equal(module(x), fp32)  # deferred, then filled: the same tiles
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = module(x)
+        module.recompute_stops_here = False
+        plain = module(x)
+    assert autocast.dtype == plain.dtype == torch.bfloat16 and torch.equal(autocast, plain)

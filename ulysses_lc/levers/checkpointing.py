@@ -58,6 +58,15 @@ def checkpointed_input_bytes_per_token(shape: ModelShape) -> int:
     return 2 * shape.hidden
 
 
+def _wait_unread(on_device: list, events: list) -> None:
+    """Finalizer of a _LayerSaved: device copies never fetched are freed on the compute stream, which reads none of
+    them, so it waits for each one's copy first (a fetch waits for its own copy only: HostRoundTrip.to_device)."""
+    for tensor, event in zip(on_device, events):
+        if tensor is not None and event is not None:
+            torch.cuda.current_stream(tensor.device).wait_event(event)
+    on_device.clear()
+
+
 class _LayerSaved(LayerRun):
     """A LayerRun that also records what the layer call saved under our hooks, and where it is now."""
 
@@ -138,8 +147,10 @@ class CheckpointHandle(Handle):
         keep_attention = index >= self.recompute_layers - self.cache_attention_layers
         saved = _LayerSaved(self, index, keep, last, keep_attention)
         self._last_saved = weakref.ref(saved)
-        # Host buffers of a record whose backward never runs (graph dropped) go back to the pool.
+        # Host buffers of a record whose backward never runs (graph dropped) go back to the pool; device copies it
+        # brought back but nothing read (a recompute that raised) wait for their copy before their memory is freed.
         weakref.finalize(saved, self._pool.give, saved.buffers)
+        weakref.finalize(saved, _wait_unread, saved.on_device, saved.h2d_events)
 
         def run(*inner):
             # The checkpoint calls this twice: forward, then recompute during backward.
@@ -209,7 +220,8 @@ class CheckpointHandle(Handle):
                 "offloaded activations were already brought back for one backward; a second backward through "
                 "the same graph (retain_graph=True) is not supported with offload=True."
             )
-        saved.on_device, saved.h2d_events = self._copies.to_device(saved.host, saved.devices)
+        # in place: the record's finalizer holds these lists
+        saved.on_device[:], saved.h2d_events[:] = self._copies.to_device(saved.host, saved.devices)
         saved.prefetched = True
         # The host copies are done with: their buffers go back to the pool now, not when the record dies with its
         # graph (a training loop holds the last loss, and with it the graph, into the next forward, which would then

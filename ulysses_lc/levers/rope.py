@@ -19,6 +19,7 @@ call (partial rotary, the CPU, cos with a gradient) runs the module's own functi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -94,32 +95,39 @@ def _next_power_of_2(n: int) -> int:
 
 def rope_bhsd(x_bhsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor, backward: bool = False):
     """The rotary form of x [b, h, s, d] that cos's width names (d: the Llama form, d / 2: gpt-oss's; backward=True:
-    its transpose, for a gradient) by the kernel, returned as [b, h, s, d] over a [b, s, h, d] tensor: the layout
-    transformers' own (elementwise) result has for q and k transposed from their projections."""
-    x_bshd = x_bhsd.transpose(1, 2)
-    if not x_bshd.is_contiguous():
-        x_bshd = x_bshd.contiguous()
-    b, s, h, d = x_bshd.shape
-    y_bshd = torch.empty_like(x_bshd)
-    if y_bshd.numel() == 0:
-        return y_bshd.transpose(1, 2)
-    cos_bsd, sin_bsd = cos_bsd.contiguous(), sin_bsd.contiguous()
+    its transpose, for a gradient) by the kernel, in a new tensor laid out as transformers' own result is: the Llama
+    form's elementwise ops keep x's strides (q and k are [b, s, h, d] projections seen as [b, h, s, d]), gpt-oss's
+    cat makes it contiguous; a gradient keeps the incoming one's strides."""
+    if x_bhsd.stride(-1) != 1:
+        x_bhsd = x_bhsd.contiguous()
+    b, h, s, d = x_bhsd.shape
     half = d // 2
     assert cos_bsd.shape[-1] in (d, half), (cos_bsd.shape, d)
+    full = cos_bsd.shape[-1] == d
+    y_bhsd = torch.empty_like(x_bhsd) if full or backward else torch.empty(x_bhsd.shape, dtype=x_bhsd.dtype,
+                                                                             device=x_bhsd.device)
+    if y_bhsd.numel() == 0:
+        return y_bhsd
+    cos_bsd, sin_bsd = cos_bsd.contiguous(), sin_bsd.contiguous()
     half_pad = _next_power_of_2(half)
     block_h = min(_next_power_of_2(h), max(1, _PROGRAM_ELEMENTS // (2 * half_pad)))
     grid = (b * s, -(-h // block_h))
-    cos_batch_stride = cos_bsd.stride(0) if cos_bsd.shape[0] > 1 else 0
-    cos_second = half if cos_bsd.shape[-1] == d else 0
-    _kernel(x_bshd.device)[grid](x_bshd, y_bshd, cos_bsd, sin_bsd, s, cos_batch_stride, cos_bsd.stride(1), cos_second,
-                                 h, HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, BACKWARD=backward)
-    return y_bshd.transpose(1, 2)
+    cos_sb = cos_bsd.stride(0) if cos_bsd.shape[0] > 1 else 0
+    x_strides = (x_bhsd.stride(0), x_bhsd.stride(2), x_bhsd.stride(1))  # batch, position, head
+    y_strides = (y_bhsd.stride(0), y_bhsd.stride(2), y_bhsd.stride(1))
+    device = torch.cuda.device(x_bhsd.device) if x_bhsd.is_cuda else contextlib.nullcontext()
+    with device:  # Triton launches on the current device
+        _kernel(x_bhsd.device)[grid](x_bhsd, y_bhsd, cos_bsd, sin_bsd, s, *x_strides, *y_strides, cos_sb,
+                                     cos_bsd.stride(1), half if full else 0, h, HALF=half, HALF_PAD=half_pad,
+                                     BLOCK_H=block_h, BACKWARD=backward)
+    return y_bhsd
 
 
 class FusedRoPE(torch.autograd.Function):
     """(q_embed, k_embed): the rotary form of q [b, h, s, d] and k [b, h_kv, s, d] with cos, sin [b or 1, s, d] (the
     Llama form) or [b or 1, s, d / 2] (gpt-oss's), one kernel per tensor each way (rope_kernel.py). Saves cos and sin
-    (on the device, as transformers' own multiplies save them); sends nothing."""
+    (on the device, as transformers' own multiplies save them); sends nothing. Its backward is a kernel too: a second
+    derivative through it (create_graph=True) is refused, not computed wrong."""
 
     @staticmethod
     def forward(ctx, q_bhsd, k_bhsd, cos_bsd, sin_bsd):
@@ -145,14 +153,33 @@ def reference_rope(x_bhsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.T
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+_PARAMETERS = {"q", "k", "cos", "sin", "unsqueeze_dim"}
+
+
+def _signature(function) -> inspect.Signature:
+    """The parameters of a modeling module's function; with the `kernels` package installed (transformers 5.25
+    requires it) transformers makes it a module whose `forward` is the function."""
+    target = function.forward if isinstance(function, nn.Module) else function
+    return inspect.signature(inspect.unwrap(target))
+
+
 def _fused_form(original, form: str):
+    signature = _signature(original)
+
     @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        unsqueeze_dim = kwargs.get("unsqueeze_dim", args[0] if args else 1)
-        if (len(args) + len(kwargs) <= 1 and set(kwargs) <= {"unsqueeze_dim"}
-                and takes(q, k, cos, sin, unsqueeze_dim, form)):
-            return FusedRoPE.apply(q, k, cos, sin)
-        return original(q, k, cos, sin, *args, **kwargs)
+    def apply_rotary_pos_emb(*args, **kwargs):
+        # The module's own signature decides what each argument is (some take k=None, or position_ids before
+        # unsqueeze_dim): the kernel takes a call binding q, k, cos, sin and unsqueeze_dim, nothing else.
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        if set(given) == _PARAMETERS and takes(given["q"], given["k"], given["cos"], given["sin"],
+                                                given["unsqueeze_dim"], form):
+            return FusedRoPE.apply(given["q"], given["k"], given["cos"], given["sin"])
+        return original(*args, **kwargs)
 
     apply_rotary_pos_emb.ulysses_lc_original = original
     apply_rotary_pos_emb.ulysses_lc_form = form
@@ -201,7 +228,8 @@ def rope_modules(model: nn.Module) -> list:
         forward = inspect.unwrap(type(module).forward)
         code = getattr(forward, "__code__", None)
         if code is not None and "apply_rotary_pos_emb" in code.co_names:
-            python_module = sys.modules.get(type(module).__module__)
+            # the module whose globals the forward reads the name from (a subclass may live elsewhere)
+            python_module = sys.modules.get(forward.__globals__.get("__name__", ""))
             if python_module is not None and hasattr(python_module, "apply_rotary_pos_emb"):
                 found[python_module.__name__] = python_module
     return list(found.values())
@@ -216,6 +244,9 @@ def install_fused_rope(model: nn.Module) -> Handle:
     for python_module in rope_modules(model):
         name = python_module.__name__
         if name in _SWITCHED:
+            if getattr(python_module.apply_rotary_pos_emb, "ulysses_lc_original", None) is not _SWITCHED[name][0]:
+                left[name] = "apply_rotary_pos_emb was replaced since an earlier install switched it"
+                continue
             _SWITCHED[name][1] += 1
             switched.append(python_module)
             continue

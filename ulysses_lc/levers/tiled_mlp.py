@@ -196,7 +196,7 @@ class TiledMLP(nn.Module):
         self.router = router  # a RouterLoss whose routers run in this MLP (router_loss.py), or None
         # A checkpoint recompute stopped right after this MLP (_STOP_RECOMPUTATION): its later calls defer the tiles.
         self.recompute_stops_here = False
-        self._output = None  # (x dtype, y dtype, y's trailing shape, returns a tuple) of the last computed call
+        self._output = None  # (inputs' key, y dtype, y's trailing shape, returns a tuple) of the last computed call
         from deepspeed.utils import set_z3_leaf_module
 
         set_z3_leaf_module(self, True)  # module docstring: one gather per layer, one reduction after the last tile
@@ -230,8 +230,10 @@ class TiledMLP(nn.Module):
             if outer is not None:
                 outer.add(*sums)
             return (y_bse, None) if returns_tuple else y_bse
+        # What sets y's dtype: x's and autocast's (a recompute runs under the forward's autocast state)
+        key = (x_bse.dtype, torch.is_autocast_enabled(x_bse.device.type), torch.get_autocast_dtype(x_bse.device.type))
         known = self._output
-        deferred = (known[1], known[2]) if self.recompute_stops_here and known and known[0] == x_bse.dtype else None
+        deferred = (known[1], known[2]) if self.recompute_stops_here and known and known[0] == key else None
         try:
             y_bse = TiledMLPFunction.apply(mlp, x_bse, num_tiles, None, None, deferred, *params)
         except Exception as e:
@@ -239,7 +241,7 @@ class TiledMLP(nn.Module):
                 self.recompute_stops_here = True  # the recompute needs nothing of this call past its input
             raise
         if deferred is None:
-            self._output = (x_bse.dtype, y_bse.dtype, tuple(y_bse.shape[2:]), bool(returns_tuple))
+            self._output = (key, y_bse.dtype, tuple(y_bse.shape[2:]), bool(returns_tuple))
         else:  # not a recompute that stops here (a forward, or a layer whose later ops save): the tiles, as before
             with torch.no_grad():
                 run_tiles(mlp, x_bse, num_tiles, out_bse=y_bse)
