@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..handle import Handle
 from .cached_memory import CachedMemoryRelease
-from .host_pool import HostRoundTrip
+from .host_pool import HostRoundTrip, wait_unread
 from ..layers import checkpointable_layers
 from ..recompute import LayerRun, RecomputeContext
 from ..shape import ModelShape
@@ -56,15 +56,6 @@ _DEFAULT_MIN_OFFLOAD_BYTES = 1 << 18  # real layer inputs are GBs; tiny runs sti
 def checkpointed_input_bytes_per_token(shape: ModelShape) -> int:
     """What a checkpointed layer keeps per token until its recompute: its bf16 input (2 x hidden)."""
     return 2 * shape.hidden
-
-
-def _wait_unread(on_device: list, events: list) -> None:
-    """Finalizer of a _LayerSaved: device copies never fetched are freed on the compute stream, which reads none of
-    them, so it waits for each one's copy first (a fetch waits for its own copy only: HostRoundTrip.to_device)."""
-    for tensor, event in zip(on_device, events):
-        if tensor is not None and event is not None:
-            torch.cuda.current_stream(tensor.device).wait_event(event)
-    on_device.clear()
 
 
 class _LayerSaved(LayerRun):
@@ -150,7 +141,7 @@ class CheckpointHandle(Handle):
         # Host buffers of a record whose backward never runs (graph dropped) go back to the pool; device copies it
         # brought back but nothing read (a recompute that raised) wait for their copy before their memory is freed.
         weakref.finalize(saved, self._pool.give, saved.buffers)
-        weakref.finalize(saved, _wait_unread, saved.on_device, saved.h2d_events)
+        weakref.finalize(saved, wait_unread, saved.on_device, saved.h2d_events)
 
         def run(*inner):
             # The checkpoint calls this twice: forward, then recompute during backward.

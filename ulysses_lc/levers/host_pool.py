@@ -182,4 +182,14 @@ class HostRoundTrip:
         return self._side_streams[device]
 
 
-__all__ = ["HostPool", "HostRoundTrip", "host_like"]
+def wait_unread(on_device: list, events: list) -> None:
+    """For device copies brought back by HostRoundTrip.to_device and never read (a recompute that raised): make the
+    compute stream wait for each one's copy before it frees them (a reader waits for its own copy only). Clears
+    `on_device`; checkpointing.py calls it when a layer's record dies."""
+    for tensor, event in zip(on_device, events):
+        if tensor is not None and event is not None:
+            torch.cuda.current_stream(tensor.device).wait_event(event)
+    on_device.clear()
+
+
+__all__ = ["HostPool", "HostRoundTrip", "host_like", "wait_unread"]
