@@ -1,12 +1,13 @@
 """Fused RoPE: transformers' rotary embedding as one Triton kernel each way instead of five eager passes, on CUDA.
 
-Legend (shape.py). transformers applies RoPE in each attention forward as `q * cos + rotate_half(q) * sin` (and
-the same for k; gpt-oss's form the same rotation from cos and sin of half the head's width) in the model's dtype: a broadcast multiply, a negated half, a cat, a second multiply and an add,
-each a pass over q and k, in the forward, again in the checkpoint recompute, and about as many in the backward.
-On the Qwen3-4B shape at 128k tokens those kernels (bf16 broadcast multiplies, neg, cat, adds) are about 1 s of a
-39.7 s step by bench_step.py's profile of 2026-12-04 (BENCHMARKS.md, "Where the FA4 step's time goes"); the
-kernel (rope_kernel.py) reads q and k once and writes them once each way. It computes in fp32 and rounds once where
-transformers rounds three times: within one rounding of the model's dtype of transformers', and closer to fp32.
+Legend (shape.py). transformers applies RoPE in each attention forward as `q * cos + rotate_half(q) * sin` (and the
+same for k; gpt-oss's form the same rotation from cos and sin of half the head's width) in the model's dtype: a
+broadcast multiply, a negated half, a cat, a second multiply and an add, each a pass over q and k, in the forward,
+again in the checkpoint recompute, and about as many in the backward. On the Qwen3-4B shape at 128k tokens those
+kernels (bf16 broadcast multiplies, neg, cat, adds) are about 1 s of a 39.7 s step by bench_step.py's profile of
+2026-12-04 (BENCHMARKS.md, "Where the FA4 step's time goes"); the kernel (rope_kernel.py) reads q and k once and
+writes them once each way. It computes in fp32 and rounds once where transformers rounds three times: within one
+rounding of the model's dtype of transformers', and closer to fp32.
 
 `install_fused_rope(model)` switches the function `apply_rotary_pos_emb` of the modeling module of each attention
 class in `model` that calls it, where that function computes one of the two forms (FORMS; compared on a small

@@ -196,7 +196,7 @@ class TiledMLP(nn.Module):
         self.router = router  # a RouterLoss whose routers run in this MLP (router_loss.py), or None
         # A checkpoint recompute stopped right after this MLP (_STOP_RECOMPUTATION): its later calls defer the tiles.
         self.recompute_stops_here = False
-        self._output = None  # (inputs' key, y dtype, y's trailing shape, returns a tuple) of the last computed call
+        self._output = None  # (inputs' key, y dtype, y's trailing shape) of the last computed call
         from deepspeed.utils import set_z3_leaf_module
 
         set_z3_leaf_module(self, True)  # module docstring: one gather per layer, one reduction after the last tile
@@ -241,11 +241,10 @@ class TiledMLP(nn.Module):
                 self.recompute_stops_here = True  # the recompute needs nothing of this call past its input
             raise
         if deferred is None:
-            self._output = (key, y_bse.dtype, tuple(y_bse.shape[2:]), bool(returns_tuple))
+            self._output = (key, y_bse.dtype, tuple(y_bse.shape[2:]))
         else:  # not a recompute that stops here (a forward, or a layer whose later ops save): the tiles, as before
             with torch.no_grad():
-                run_tiles(mlp, x_bse, num_tiles, out_bse=y_bse)
-            returns_tuple = [True] if known[3] else []
+                run_tiles(mlp, x_bse, num_tiles, out_bse=y_bse)  # its tiles tell returns_tuple too
         return (y_bse, None) if returns_tuple else y_bse
 
     def extra_repr(self) -> str:
