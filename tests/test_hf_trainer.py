@@ -9,6 +9,8 @@ logits exactly (with a plain attention implementation); and each refusal at cons
 """
 
 import contextlib
+import os
+import time
 
 import pytest
 import torch
@@ -102,6 +104,27 @@ def plain_grads(record):
     return Grads()
 
 
+@contextlib.contextmanager
+def late_last_look(rank):
+    """Ranks other than 0 take their last look into output_dir (the Trainer's checkpoint sort at the end of train())
+    late: rank 0 must not take away the folder it made until every rank is past that look."""
+    import transformers.trainer
+
+    sort = transformers.trainer.sort_checkpoints
+
+    def late(*args, output_dir, **kwargs):
+        if rank:  # the folder vanishing under a look that has begun fails it (scandir): a look must find it there
+            time.sleep(0.5)
+            assert os.path.isdir(output_dir), f"{output_dir} taken away while rank {rank} was still in train()"
+        return sort(*args, output_dir=output_dir, **kwargs)
+
+    transformers.trainer.sort_checkpoints = late
+    try:
+        yield
+    finally:
+        transformers.trainer.sort_checkpoints = sort
+
+
 def weighting_worker(rank, world, sp_size, out, ulysses):
     """The first optimizer step over weighted_rows(), 2 sequences a step (gradient accumulation 2 on one DP rank, 1
     on two): its logged loss and gradients (plain names). ulysses=False: the plain Trainer on the plain model."""
@@ -117,7 +140,7 @@ def weighting_worker(rank, world, sp_size, out, ulysses):
     if ulysses:
         trainer = UlyssesTrainer(model=build("qwen3"), args=training_args(out, 1, gradient_accumulation_steps=ga),
                                  train_dataset=ds, sp_size=sp_size)
-        with first_step_grads(record):
+        with first_step_grads(record), late_last_look(rank):
             trainer.train()
         grads = {SequenceParallelCausalLM.plain_name(n): g for n, g in record["grads"].items()}
     else:

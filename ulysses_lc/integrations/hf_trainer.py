@@ -204,7 +204,10 @@ class UlyssesTrainerMixin:
     def train(self, *args, **kwargs):
         try:
             with deepspeed_initialize_with_mpu(self.layout):
-                return super().train(*args, **kwargs)
+                result = super().train(*args, **kwargs)
+            # Every rank past the parent's last look into output_dir (its checkpoint sort) before rank 0 takes it away.
+            torch.distributed.barrier()
+            return result
         finally:
             for folder in self._made_dirs:  # made by the Trainer and left empty (save_strategy "no"): no leftovers
                 try:
