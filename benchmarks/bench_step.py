@@ -514,7 +514,14 @@ SUITES = {
            levers=dict(kernel="fa4", fused_rope=True)),
         _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4", fused_rope=False)),  # the default before 2026-12-05 (now on with CUDA)
+    ],
+    # issue 43's must-show after the fused RoPE became the default (2026-12-05): ours and ALST in one call at the 4B
+    # shape's 128k; with BENCH_PROFILE=ours-plan-4B@128k-fa4 our step is profiled after it is timed.
+    "fa4final": [
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
+        _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
     ],
     # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).
     "fa4profile": [

@@ -221,6 +221,27 @@ def test_the_wrapper_option_installs_it_and_trains_the_same_at_global_positions(
         assert ((grads[key] - want).norm() / want.norm()).item() <= 1e-5, key
 
 
+def test_the_default_installs_it_where_cuda_is_and_leaves_the_cpu_alone(monkeypatch):
+    """fused_rope=None (SequenceParallelCausalLM's default) means: on where CUDA is available; given, as given. On
+    this machine's CPU the default leaves transformers' function in place."""
+    from ulysses_lc import ParallelLayout, SequenceParallelCausalLM
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [rope.wanted(s) for s in (None, True, False)] == [True, True, False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert [rope.wanted(s) for s in (None, True, False)] == [False, True, False]
+    monkeypatch.undo()
+    if torch.cuda.is_available():
+        pytest.skip("the CPU default: this machine has CUDA")
+    before = modeling_qwen3.apply_rotary_pos_emb
+    model = SequenceParallelCausalLM(build("qwen3"), ParallelLayout(world_size=1, sp_size=1))
+    try:
+        assert not any(h.name == "fused RoPE" for h in model.levers)
+        assert modeling_qwen3.apply_rotary_pos_emb is before
+    finally:
+        model.undo()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the kernel compiled by Triton)")
 @pytest.mark.parametrize("h,h_kv,d,form", [(32, 8, 128, "llama"), (16, 8, 128, "llama"), (64, 8, 64, "half")])
 def test_the_compiled_kernel_on_cuda_matches_each_form(h, h_kv, d, form):

@@ -236,6 +236,12 @@ def rope_modules(model: nn.Module) -> list:
     return list(found.values())
 
 
+def wanted(setting: bool | None) -> bool:
+    """SequenceParallelCausalLM's `fused_rope`: True / False as given; None (its default) where CUDA is available,
+    the only device the kernel runs on (on the CPU the switched function would run the module's own anyway)."""
+    return bool(setting) if setting is not None else torch.cuda.is_available()
+
+
 def install_fused_rope(model: nn.Module) -> Handle:
     """Switch the apply_rotary_pos_emb of `model`'s attention classes, where it computes a form of FORMS, to the
     fused kernel (FusedRoPE, CUDA; see the module docstring); the Handle's undo() gives each module its own function
@@ -277,4 +283,4 @@ def install_fused_rope(model: nn.Module) -> Handle:
     return handle
 
 
-__all__ = ["FORMS", "FusedRoPE", "install_fused_rope", "reference_rope", "rope_bhsd", "rotary_form", "takes"]
+__all__ = ["FORMS", "FusedRoPE", "install_fused_rope", "reference_rope", "rope_bhsd", "rotary_form", "takes", "wanted"]

@@ -46,8 +46,9 @@ def _sdpa_backends(kernel: str):
 # flex at windows 128 / 1024 / 4096 and of torch's varlen on packed documents (BENCHMARKS.md "FlashAttention-4 on
 # Hopper"). So "auto" takes it on Hopper where flash-attn-4 is installed, for head dims up to 128, and no attention
 # dropout (it has none). At 256 (Qwen3.5's full layers, 8 / 2 heads) it ran 439 against cuDNN's 408 TF/s (1.08x; later
-# the same day), but its exactness there has not run on a GPU yet (tests/test_fa4.py's 256 case): cuDNN's until then.
-FA4_AUTO_MAX_HEAD_DIM = 128
+# the same day); tests/test_fa4.py's head-dim-256 case against fp32 passed on an H100 on 2026-12-05, so "auto" takes
+# it there too.
+FA4_AUTO_MAX_HEAD_DIM = 256
 
 
 def fa4_auto(head_dim: int | None, dropout: float = 0.0) -> bool:

@@ -353,9 +353,9 @@ def _window_extra(shape: ModelShape, seq_len: int, plan: MemoryPlan, kernel: str
 
 def attention_flops_per_s(head_dim: int, kernel: str = "auto") -> float:
     """The causal attention kernel's fwd+bwd rate on an H200 at this head dim (the constants below): cuDNN's, or
-    FlashAttention-4's for kernel 'fa4' up to head dim 128 (at 256 unmeasured: cuDNN's fitted rate)."""
+    FlashAttention-4's for kernel 'fa4' (above head dim 128: cuDNN's fitted rate there, times FA4's measured 1.08x)."""
     if head_dim > 128:
-        return ATTENTION_FLOPS_PER_S_WIDE_HEADS
+        return ATTENTION_FLOPS_PER_S_WIDE_HEADS * (FA4_WIDE_HEADS_VS_CUDNN if kernel == "fa4" else 1.0)
     return FA4_FLOPS_PER_S if kernel == "fa4" else ATTENTION_FLOPS_PER_S
 
 
@@ -377,6 +377,9 @@ FA4_FLOPS_PER_S = ATTENTION_FLOPS_PER_S * 626.2 / 524.5
 # 1,007,616 tokens imply for their full-attention layers once the rest is priced as above, 364 and 334 TF/s
 # (BENCHMARKS.md "Whole steps of a Qwen3.5 shape on fla's kernels", 2026-12-02): fitted, not measured apart.
 ATTENTION_FLOPS_PER_S_WIDE_HEADS = 350e12
+# FlashAttention-4 over cuDNN at head dim 256 (Qwen3.5-0.8B's 8 / 2 heads, 262,144 tokens, fwd+bwd, one H200, the same
+# call; bench_fa4.py 2026-12-04, BENCHMARKS.md "FlashAttention-4 on Hopper"): 439.4 against 407.8 TF/s.
+FA4_WIDE_HEADS_VS_CUDNN = 439.4 / 407.8
 ATTENTION_PASSES = 3.5  # that count: forward 1, backward 2.5
 MATMUL_FLOPS_PER_S = 778e12  # bf16 matmul 8192^3
 # Memory-bound work (norms, RoPE, SiLU, copies, loss softmax) per token and layer at hidden 1024: 0.6 us, what is
