@@ -333,6 +333,23 @@ def profile_step(step, batch, dev, path: Path) -> dict:
     return out
 
 
+def _fa4_bwd_override(over: dict) -> None:
+    """Run FA4's SM90 backward with these BwdConfig fields over its own pick (bench_fa4_tiles.py's variants), for
+    causal calls without a window at head dim <= 128: the step with a launch config before it becomes the default."""
+    import dataclasses
+
+    from flash_attn.cute import interface
+
+    select = interface.select_bwd_config
+
+    def pick(inputs):
+        cfg = select(inputs)
+        if inputs.device_arch // 10 == 9 and inputs.causal and not inputs.local and inputs.head_dim <= 128:
+            cfg = dataclasses.replace(cfg, **over)
+        return cfg
+    interface.select_bwd_config = pick
+
+
 def run_variant(spec: dict) -> dict:
     """Build, warm up, time one step; never raises (OOM and errors become the record's status)."""
     rec = dict(spec)
@@ -340,6 +357,10 @@ def run_variant(spec: dict) -> dict:
     dev = local_device()
     try:
         _init_dist()
+        if spec.get("fa4_bwd"):  # "env": BENCH_FA4_BWD, a JSON object of BwdConfig fields
+            over = spec["fa4_bwd"]
+            rec["fa4_bwd"] = over = json.loads(os.environ["BENCH_FA4_BWD"]) if over == "env" else over
+            _fa4_bwd_override(over)
         if spec["kind"] == "kernel":
             rec["rows"] = bench_attention_kernel(spec["lengths"], spec["backends"])
             rec["status"] = "ok"
@@ -522,6 +543,15 @@ SUITES = {
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
         _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
+    ],
+    # issue 43: the 4B step with an FA4 SM90 backward launch config (BENCH_FA4_BWD, from bench_fa4_tiles.py) against
+    # ALST and FA4's own pick, in one call (the tuned variant and ALST first; est_s as fa4final's).
+    "fa4tile": [
+        _v("ours-plan-4B@128k-fa4-tuned-bwd", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4"), fa4_bwd="env"),
+        _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4")),
     ],
     # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).
     "fa4profile": [

@@ -11,6 +11,7 @@
 #   head dim 256 (2026-12-04, later): call 1 as above, then bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,wide
 #   later (issue 43's must-show, ALST in the same call): call 1 as above, then
 #           SUITE=fa4alst bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
+#   FA4's SM90 tile configs (2026-12-06): call 1 as above, then bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tiles
 #   the CUDA tests never yet run on a GPU (fused RMSNorm, fused RoPE, FA4 at head dim 256, the offload's per-tensor
 #   copy events), then the 4B step with
 #   the fused RoPE against the default and ALST: call 1 as above, then
@@ -77,6 +78,11 @@ PY
 done
 fi
 LEFT=$(( ${CALL_S:-585} - ($(date +%s) - T0) ))
+if [[ $STAGES == *tiles* ]]; then  # FA4's SM90 launch configs against its default (benchmarks/bench_fa4_tiles.py)
+timeout $LEFT python3 benchmarks/bench_fa4_tiles.py --out $OUT --budget-s $(( LEFT - 45 )) \
+  --shapes ${TILE_SHAPES:-4b,0.6b} 2>&1 | grep -v Warning | tee $OUT/tiles.log | tail -45
+LEFT=$(( ${CALL_S:-585} - ($(date +%s) - T0) ))
+fi
 if [[ $STAGES == *wide* ]]; then  # head dim 256 (Qwen3.5's full layers), FA4 against cuDNN, full causal only
 timeout $LEFT python3 benchmarks/bench_fa4.py --only full --full-shapes qwen3.5-0.8b --out $OUT \
   --budget-s $(( LEFT - 30 )) 2>&1 | grep -v Warning | tee $OUT/bench_wide.log | tail -4
