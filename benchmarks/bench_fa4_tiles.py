@@ -9,7 +9,7 @@ Frobenius error; fp32 accumulation order is the only difference, so anything abo
 same for a few forward variants (FwdConfig). One rank's view after the Ulysses exchange: [b, s, h, d] views of
 [b, h, s, d] tensors, as mixers/fa4.py passes them.
 
-    python benchmarks/bench_fa4_tiles.py --out $OUT [--budget-s 400] [--shapes 4b,0.6b]
+    python benchmarks/bench_fa4_tiles.py --out $OUT [--budget-s 400] [--shapes 4b-all,4b,0.6b]
 
 Writes <out>/fa4_tiles.json (every variant: config fields, ms, TF/s, errors, or the error it raised) and prints a
 table per shape last. CUDA with flash-attn-4 only.
@@ -84,9 +84,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=400)
-    ap.add_argument("--shapes", default="4b,0.6b")
+    ap.add_argument("--shapes", default="4b-all,4b,0.6b")
     ap.add_argument("--only-bwd", default="", help="comma-separated BWD variant names (default: all)")
     ap.add_argument("--skip-fwd", action="store_true")
+    ap.add_argument("--default-only", default="4b-all", help="shapes timed at FA4's own pick only")
     args = ap.parse_args()
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,8 @@ def main() -> int:
 
         # forward variants
         out_ref = lse_ref = None
-        for name, over in ({"default": {}} if args.skip_fwd else FWD).items():
+        lone = shape in args.default_only.split(",")
+        for name, over in ({"default": {}} if args.skip_fwd or lone else FWD).items():
             if time.time() - t0 > args.budget_s:
                 rows.append((f"fwd {name}", "skipped: time")); continue
             rec_ = dict(shape=shape, kind="fwd", variant=name)
@@ -156,7 +158,7 @@ def main() -> int:
         grads_ref = None
         only = set(filter(None, args.only_bwd.split(",")))
         for name, over in BWD.items():
-            if only and name not in only and name != "default":
+            if (only or lone) and name not in only and name != "default":
                 continue
             if time.time() - t0 > args.budget_s:
                 rows.append((f"bwd {name}", "skipped: time")); continue

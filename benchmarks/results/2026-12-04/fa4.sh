@@ -80,7 +80,7 @@ fi
 LEFT=$(( ${CALL_S:-585} - ($(date +%s) - T0) ))
 if [[ $STAGES == *tiles* ]]; then  # FA4's SM90 launch configs against its default (benchmarks/bench_fa4_tiles.py)
 timeout $LEFT python3 benchmarks/bench_fa4_tiles.py --out $OUT --budget-s $(( LEFT - 45 )) \
-  --shapes ${TILE_SHAPES:-4b,0.6b} 2>&1 | grep -v Warning | tee $OUT/tiles.log | tail -45
+  --shapes ${TILE_SHAPES:-4b-all,4b,0.6b} 2>&1 | grep -v Warning | tee $OUT/tiles.log | tail -45
 LEFT=$(( ${CALL_S:-585} - ($(date +%s) - T0) ))
 fi
 if [[ $STAGES == *wide* ]]; then  # head dim 256 (Qwen3.5's full layers), FA4 against cuDNN, full causal only
