@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from common import median_seconds
 
 # name: (seq, q heads, kv heads, head dim) of one head-group call
 SHAPES = {
@@ -68,16 +69,17 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def timed(fn, n=3):
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        res = fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), res
+def measure(call, iters=3):
+    """(seconds of the first call, which compiles the variant; the median ms of `iters` more; the last result)."""
+    c0 = time.time()
+    call()
+    torch.cuda.synchronize()
+    first_s = time.time() - c0
+    last = [None]
+
+    def run():
+        last[0] = call()
+    return first_s, 1e3 * median_seconds(run, iters, warmup=0), last[0]
 
 
 def main() -> int:
@@ -132,12 +134,9 @@ def main() -> int:
                     if over == "flip:pack_gqa":
                         over = dict(pack_gqa=not base.pack_gqa)
                     cfg = dataclasses.replace(base, **over)
-                c0 = time.time()
-                res = interface._flash_attn_fwd(bshd(q), bshd(k), bshd(v), return_lse=True, config=cfg, **kw)
-                torch.cuda.synchronize()
-                rec_["first_s"] = round(time.time() - c0, 2)
-                ms, res = timed(lambda: interface._flash_attn_fwd(bshd(q), bshd(k), bshd(v), return_lse=True,
-                                                                  config=cfg, **kw))
+                first_s, ms, res = measure(lambda: interface._flash_attn_fwd(bshd(q), bshd(k), bshd(v),
+                                                                             return_lse=True, config=cfg, **kw))
+                rec_["first_s"] = round(first_s, 2)
                 out, lse = res[0], res[1]
                 if name == "default":
                     out_ref, lse_ref = out, lse
@@ -153,8 +152,7 @@ def main() -> int:
             records.append(rec_)
             path.write_text(json.dumps(records, indent=1))
             print(shape, rows[-1], flush=True)
-        del out
-        out_ref = out_ref.detach()
+        out = lse = res = None  # only the default's output and log-sum-exp are kept
         grads_ref = None
         only = set(filter(None, args.only_bwd.split(",")))
         for name, over in BWD.items():
@@ -169,12 +167,9 @@ def main() -> int:
                 def call():
                     return interface._flash_attn_bwd(bshd(q), bshd(k), bshd(v), out_ref, bshd(dout),
                                                      lse_ref.contiguous(), config=cfg, **kw)
-                c0 = time.time()
-                call()
-                torch.cuda.synchronize()
-                rec_["first_s"] = round(time.time() - c0, 2)
-                ms, grads = timed(call)
-                grads = [g.clone() for g in grads[:3]] if grads_ref is None else grads[:3]
+                first_s, ms, grads = measure(call)
+                rec_["first_s"] = round(first_s, 2)
+                grads = grads[:3]
                 if name == "default":
                     grads_ref = grads
                     cfg_ = seen["select_bwd_config"]

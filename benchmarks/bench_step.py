@@ -359,12 +359,9 @@ def run_variant(spec: dict) -> dict:
     dev = local_device()
     try:
         _init_dist()
-        for name in ("bwd", "fwd"):  # "env": BENCH_FA4_BWD / _FWD, a JSON object of BwdConfig / FwdConfig fields
-            over = spec.get(f"fa4_{name}")
-            if over:
-                over = json.loads(os.environ[f"BENCH_FA4_{name.upper()}"]) if over == "env" else over
-                rec[f"fa4_{name}"] = over
-                _fa4_override(name, over)
+        for name in ("bwd", "fwd"):  # BwdConfig / FwdConfig fields over FA4's own pick (bench_fa4_tiles.py)
+            if spec.get(f"fa4_{name}"):
+                _fa4_override(name, spec[f"fa4_{name}"])
         if spec["kind"] == "kernel":
             rec["rows"] = bench_attention_kernel(spec["lengths"], spec["backends"])
             rec["status"] = "ok"
@@ -547,15 +544,6 @@ SUITES = {
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
         _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
-    ],
-    # issue 43: the 4B step with an FA4 SM90 backward launch config (BENCH_FA4_BWD, from bench_fa4_tiles.py) against
-    # ALST and FA4's own pick, in one call (the tuned variant and ALST first; est_s as fa4final's).
-    "fa4tile": [
-        _v("ours-plan-4B@128k-fa4-tuned-bwd", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
-           levers=dict(kernel="fa4"), fa4_bwd="env"),
-        _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
-        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
-           levers=dict(kernel="fa4")),
     ],
     # issue 43: the 4B step with FA4's forward on the 128 x 160 tile (5.6% faster than its pick at the 4B head group
     # alone on an H100, 2026-12-06) against ALST and the default in one call.

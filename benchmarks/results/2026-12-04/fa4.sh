@@ -12,8 +12,9 @@
 #   later (issue 43's must-show, ALST in the same call): call 1 as above, then
 #           SUITE=fa4alst bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
 #   FA4 SM90 tile configs (2026-12-06, one H100, 123 s): call 1 as above, then bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,tiles
-#   the 4B step with FA4's forward on the 128 x 160 tile against ALST: call 1 as above, then
-#           CALL_S=420 SUITE=fa4fwd bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
+#   the 4B step with FA4's forward on the 128 x 160 tile against ALST and the default (2026-12-06, one H200, 422 s):
+#   call 1 as above, then
+#           CALL_S=570 SUITE=fa4fwd bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
 #   the CUDA tests never yet run on a GPU (fused RMSNorm, fused RoPE, FA4 at head dim 256, the offload's per-tensor
 #   copy events), then the 4B step with
 #   the fused RoPE against the default and ALST: call 1 as above, then
