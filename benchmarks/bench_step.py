@@ -362,6 +362,10 @@ def run_variant(spec: dict) -> dict:
         for name in ("bwd", "fwd"):  # BwdConfig / FwdConfig fields over FA4's own pick (bench_fa4_tiles.py)
             if spec.get(f"fa4_{name}"):
                 _fa4_override(name, spec[f"fa4_{name}"])
+        if spec.get("forward_groups"):  # the attention forward over the head groups too, as before 2026-12-06
+            from ulysses_lc.mixers import explicit_attention
+
+            explicit_attention._FORWARD_IN_ONE_CALL = False
         if spec["kind"] == "kernel":
             rec["rows"] = bench_attention_kernel(spec["lengths"], spec["backends"])
             rec["status"] = "ok"
@@ -553,6 +557,18 @@ SUITES = {
         _v("alst-4B@128k", "alst", 128 * K, 155, shape="qwen3-4b", warmup="steady"),
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 125, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
+    ],
+    # issue 43: the 4B step with the attention forward in one call over all heads (the default since 2026-12-06;
+    # only the backward runs over head groups) against the forward over the groups too, then ALST and the default
+    # again on the same machine (a second call: `--only`).
+    "fa4one": [
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4")),
+        _v("ours-plan-4B@128k-fa4-fwdgroups", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4"), forward_groups=True),
+        _v("alst-4B@128k", "alst", 128 * K, 160, shape="qwen3-4b", warmup="steady"),
+        _v("ours-plan@256k-fa4", "ours", 256 * K, 115, warmup="steady", plan=True, levers=dict(kernel="fa4")),
+        _v("alst@256k", "alst", 256 * K, 165, warmup="steady"),
     ],
     # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).
     "fa4profile": [

@@ -113,8 +113,11 @@ def explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
 # for GQA, dk and dv at all query heads before they are summed to the kv heads, (4 + 4 * gqa) * h * s * d
 # bytes: 4 GiB at 256k tokens for Qwen3-0.6B's 16 x 128 heads, 32 GiB at 2M (measured: BENCHMARKS.md F;
 # torch's FLASH backend holds more). Heads are independent, so the kernel can run over groups of whole kv
-# heads (each with its query heads) one after another: that block shrinks by the group count. Outputs and
-# gradients are written into full-size tensors; each group's own (1/G of them) is transient. The numbers are
+# heads (each with its query heads) one after another: that block shrinks by the group count. Only the backward
+# runs in groups: the forward holds nothing beside its out and log-sum-exp, so it runs once over all heads (FA4's
+# forward at the Qwen3-4B layer, 128k: 200.95 ms in one call against 215.3 over four groups, BENCHMARKS.md), and
+# its log-sum-exp is regrouped for the backward's calls. The gradients are written into full-size tensors; each
+# group's own (1/G of them) is transient. The numbers are
 # the kernel's own per head: bitwise equal to one call over all heads on CPU (tests); cuDNN's backward is
 # not deterministic run to run (atomic dq accumulation), and the groups stay within that spread (GPU test).
 # Groups of whole kv heads keep every kv head's gradient inside one call: splitting the query heads that
@@ -132,6 +135,9 @@ def explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
 # The per-group block we aim for: the size of the loss head's chunk, far below one layer's activations at
 # the lengths where it matters.
 _ATTENTION_BLOCK_TARGET_BYTES = 1 << 30
+# False: the forward runs over the head groups too, as before 2026-12-06 (benchmarks/bench_step.py's variant
+# `forward_groups` times the two in one call).
+_FORWARD_IN_ONE_CALL = True
 
 
 def attention_backward_block_bytes(seq: int, heads: int, kv_heads: int, head_dim: int) -> int:
@@ -199,22 +205,32 @@ def _group_slices(heads: int, kv_heads: int, groups: int) -> list[tuple[slice, s
 
 
 def _grouped_forward(backend, q, k, v, scale, groups):
-    """(out, lse, per-group aux) of the backend's forward over `groups` head groups; lse is the kernel's own
-    for one group, [groups, b, h / groups, s] for more."""
+    """(out, lse, per-group aux) of the backend's forward for a backward over `groups` head groups: one call over
+    all heads (the forward holds no block beside its out and lse, the note above); lse is the kernel's own for one
+    group, else regrouped [groups, b, h / groups, s], each group's block contiguous."""
     fwd = _EXPLICIT[backend][0]
-    if groups == 1:
-        out, lse, aux = fwd(q, k, v, scale)
-        return out, lse, (aux,)
+    if groups == 1 or not _FORWARD_IN_ONE_CALL:
+        if groups == 1:
+            out, lse, aux = fwd(q, k, v, scale)
+            return out, lse, (aux,)
+        return _forward_per_group(fwd, q, k, v, scale, groups)
+    out, lse, aux = fwd(q, k, v, scale)
+    # FLASH's backward reads the log-sum-exp as a contiguous [b, h, s] block whatever its strides, so a head slice
+    # of one [b, h, s] tensor would hand it another head's values from the second sequence on: group-major instead.
+    # The groups' query heads are consecutive blocks of heads / groups (_group_slices), so this is a reshape.
+    b, h = lse.shape[:2]
+    lse = lse.reshape(b, groups, h // groups, *lse.shape[2:]).transpose(0, 1).contiguous()
+    return out, lse, (aux,) * groups
+
+
+def _forward_per_group(fwd, q, k, v, scale, groups):
+    """The forward one head group at a time (before 2026-12-06; kept for the benchmark that times the two)."""
     out = lse = None
     auxes = []
     for g, (sq, sk) in enumerate(_group_slices(q.shape[1], k.shape[1], groups)):
         out_g, lse_g, aux = fwd(q[:, sq], k[:, sk], v[:, sk], scale)
         if out is None:
-            # out in q's layout (empty_like keeps q's strides); the backward ops read out and dout through
-            # their strides. lse is kept group-major, [groups, b, h / groups, s]: FLASH's backward reads the
-            # log-sum-exp as a contiguous [b, h, s] block whatever its strides, so a head slice of one
-            # [b, h, s] tensor would hand it another head's values from the second sequence on.
-            out = torch.empty_like(q, dtype=out_g.dtype)
+            out = torch.empty_like(q, dtype=out_g.dtype)  # in q's layout; the backward ops read it through strides
             lse = lse_g.new_empty(groups, *lse_g.shape)
         out[:, sq].copy_(out_g)
         lse[g].copy_(lse_g)

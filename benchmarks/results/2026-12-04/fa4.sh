@@ -19,6 +19,10 @@
 #   copy events), then the 4B step with
 #   the fused RoPE against the default and ALST: call 1 as above, then
 #           SUITE=fa4rope bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,steps
+#   the attention forward in one call (the default since 2026-12-06) against the forward over head groups, and why the
+#   step's FA4 backward is slower than alone (bench_fa4_gap.py), then the 4B step both ways: call 1 as above, then
+#           CALL_S=580 SUITE=fa4one CHECK_TESTS="tests/test_head_groups.py tests/test_query_head_groups.py
+#           tests/test_fa4.py" bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,gap,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
 OUT=$1; STAGES=${2:-smoke,tests,bench}
@@ -55,8 +59,12 @@ if [[ $STAGES == *tests* ]]; then
 timeout 300 python3 -m pytest -q -rs tests/test_fa4.py 2>&1 | tee $OUT/tests.log | tail -5
 fi
 if [[ $STAGES == *checks* ]]; then  # the CUDA tests of kernels that changed since a GPU last ran them
-timeout 240 python3 -m pytest -q -rs tests/test_rope.py tests/test_rmsnorm.py tests/test_fa4.py tests/test_offload.py \
-  tests/test_kept_attention.py -k "cuda or 256" 2>&1 | tee $OUT/checks.log | tail -6
+timeout 240 python3 -m pytest -q -rs ${CHECK_TESTS:-tests/test_rope.py tests/test_rmsnorm.py tests/test_fa4.py \
+  tests/test_offload.py tests/test_kept_attention.py -k "cuda or 256"} 2>&1 | tee $OUT/checks.log | tail -6
+fi
+if [[ $STAGES == *gap* ]]; then  # FA4's backward in the step against alone; the forward in one call (bench_fa4_gap.py)
+timeout 200 python3 benchmarks/bench_fa4_gap.py --out $OUT --sustain-s ${SUSTAIN_S:-20} 2>&1 | grep -v -E "Warning|exe_args" \
+  | tee $OUT/gap.log | tail -16
 fi
 if [[ $STAGES == *cache* ]]; then  # the kernel cache (--kernel-cache): FA4's compile in a fresh process, then in one
 # that finds what the first left (kernel_cache.cache_environment sets FLASH_ATTENTION_CUTE_DSL_CACHE_DIR / _ENABLED)
