@@ -58,6 +58,21 @@ def layer_backward(q, k, v, dout, fwd):
     return ea._grouped_backward("fa4", dout, q, k, v, out, lse, aux, D ** -0.5)
 
 
+def head_major_backward(q, k, v, dout, fwd):
+    """The step-layout backward with each group's inputs copied head-major first ([b, h_g, s, d] storage, the tile
+    bench's layout), copies included: what a fix would cost if the layout is the gap."""
+    out, lse, aux = fwd
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for g, (sq, sk) in enumerate(ea._group_slices(H, HK, GROUPS)):
+        dq_g, dk_g, dv_g = ea._EXPLICIT["fa4"][1](dout[:, sq].contiguous(), q[:, sq].contiguous(),
+                                                    k[:, sk].contiguous(), v[:, sk].contiguous(),
+                                                    out[:, sq].contiguous(), lse[g], aux[g], D ** -0.5)
+        dq[:, sq].copy_(dq_g)
+        dk[:, sk].copy_(dk_g)
+        dv[:, sk].copy_(dv_g)
+    return dq, dk, dv
+
+
 def smi_sampler(path: Path):
     try:
         return subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu",
@@ -97,6 +112,11 @@ def main() -> int:
         del grouped
         row(f"bwd {lay} 4 groups", timed(lambda: layer_backward(q, k, v, dout, one)))
         if seq_major:
+            row("bwd bshd 4 groups, head-major copies first", timed(lambda: head_major_backward(q, k, v, dout, one)))
+            ref, got = layer_backward(q, k, v, dout, one), head_major_backward(q, k, v, dout, one)
+            err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref))
+            rows.append(("bwd head-major copies vs step layout", f"rel err {err:.1e}"))
+            del ref, got
             # the offload's copies beside it: 512 MiB each way, pinned, on a side stream, looping while it runs
             host = torch.empty(2 ** 29, dtype=torch.uint8, pin_memory=True)
             dev_buf = torch.empty(2 ** 29, dtype=torch.uint8, device="cuda")
