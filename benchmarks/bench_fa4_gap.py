@@ -73,6 +73,23 @@ def head_major_backward(q, k, v, dout, fwd):
     return dq, dk, dv
 
 
+def mha_backward(q, k, v, dout, fwd):
+    """The step-layout backward with each group's kv heads repeated to its query heads (MHA: no GQA accumulation of
+    dk, dv in the kernel), then dk, dv summed over the repeats in fp32; repeats and sums included."""
+    out, lse, aux = fwd
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rep = H // HK
+    for g, (sq, sk) in enumerate(ea._group_slices(H, HK, GROUPS)):
+        k_g, v_g = (x[:, sk].repeat_interleave(rep, dim=1) for x in (k, v))
+        dq_g, dk_g, dv_g = ea._EXPLICIT["fa4"][1](dout[:, sq], q[:, sq], k_g, v_g, out[:, sq], lse[g], aux[g],
+                                                    D ** -0.5)
+        dq[:, sq].copy_(dq_g)
+        b, hg, s_, d = dk_g.shape
+        dk[:, sk].copy_(dk_g.float().view(b, hg // rep, rep, s_, d).sum(2))
+        dv[:, sk].copy_(dv_g.float().view(b, hg // rep, rep, s_, d).sum(2))
+    return dq, dk, dv
+
+
 def smi_sampler(path: Path):
     try:
         return subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu",
@@ -116,7 +133,11 @@ def main() -> int:
             ref, got = layer_backward(q, k, v, dout, one), head_major_backward(q, k, v, dout, one)
             err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref))
             rows.append(("bwd head-major copies vs step layout", f"rel err {err:.1e}"))
+            got = mha_backward(q, k, v, dout, one)
+            err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref))
+            rows.append(("bwd MHA (kv repeated) vs step layout", f"rel err {err:.1e}"))
             del ref, got
+            row("bwd bshd 4 groups, kv repeated to MHA", timed(lambda: mha_backward(q, k, v, dout, one)))
             # the offload's copies beside it: 512 MiB each way, pinned, on a side stream, looping while it runs
             host = torch.empty(2 ** 29, dtype=torch.uint8, pin_memory=True)
             dev_buf = torch.empty(2 ** 29, dtype=torch.uint8, device="cuda")

@@ -63,7 +63,7 @@ timeout 240 python3 -m pytest -q -rs ${CHECK_TESTS:-tests/test_rope.py tests/tes
   tests/test_offload.py tests/test_kept_attention.py -k "cuda or 256"} 2>&1 | tee $OUT/checks.log | tail -6
 fi
 if [[ $STAGES == *gap* ]]; then  # FA4's backward in the step against alone; the forward in one call (bench_fa4_gap.py)
-timeout 200 python3 benchmarks/bench_fa4_gap.py --out $OUT --sustain-s ${SUSTAIN_S:-20} 2>&1 | grep -v -E "Warning|exe_args" \
+timeout 240 python3 benchmarks/bench_fa4_gap.py --out $OUT --sustain-s ${SUSTAIN_S:-20} 2>&1 | grep -v -E "Warning|exe_args" \
   | tee $OUT/gap.log | tail -16
 fi
 if [[ $STAGES == *cache* ]]; then  # the kernel cache (--kernel-cache): FA4's compile in a fresh process, then in one
