@@ -567,6 +567,8 @@ SUITES = {
         _v("ours-plan-4B@128k-fa4-fwdgroups", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4"), forward_groups=True),
         _v("alst-4B@128k", "alst", 128 * K, 160, shape="qwen3-4b", warmup="steady"),
+        _v("ours-plan-4B@128k-fa4-bwd80", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4"), fa4_bwd=dict(tile_m=80, dQ_swapAB=True)),
         _v("ours-plan@256k-fa4", "ours", 256 * K, 115, warmup="steady", plan=True, levers=dict(kernel="fa4")),
         _v("alst@256k", "alst", 256 * K, 165, warmup="steady"),
     ],

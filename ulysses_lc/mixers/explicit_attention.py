@@ -114,9 +114,10 @@ def explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
 # bytes: 4 GiB at 256k tokens for Qwen3-0.6B's 16 x 128 heads, 32 GiB at 2M (measured: BENCHMARKS.md F;
 # torch's FLASH backend holds more). Heads are independent, so the kernel can run over groups of whole kv
 # heads (each with its query heads) one after another: that block shrinks by the group count. Only the backward
-# runs in groups: the forward holds nothing beside its out and log-sum-exp, so it runs once over all heads (FA4's
-# forward at the Qwen3-4B layer, 128k: 200.95 ms in one call against 215.3 over four groups, BENCHMARKS.md), and
-# its log-sum-exp is regrouped for the backward's calls. The gradients are written into full-size tensors; each
+# runs in groups: the forward holds nothing beside its out and log-sum-exp, so it runs once over all heads, with no
+# per-group output to copy, and its log-sum-exp is regrouped for the backward's calls (FA4's forward at the Qwen3-4B
+# layer, 128k: 7% faster in one call than over four groups on an H100, the same on an H200 at its power cap;
+# BENCHMARKS.md). The gradients are written into full-size tensors; each
 # group's own (1/G of them) is transient. The numbers are
 # the kernel's own per head: bitwise equal to one call over all heads on CPU (tests); cuDNN's backward is
 # not deterministic run to run (atomic dq accumulation), and the groups stay within that spread (GPU test).
