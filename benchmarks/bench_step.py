@@ -572,6 +572,15 @@ SUITES = {
         _v("ours-plan@256k-fa4", "ours", 256 * K, 115, warmup="steady", plan=True, levers=dict(kernel="fa4")),
         _v("alst@256k", "alst", 256 * K, 165, warmup="steady"),
     ],
+    # issue 43: the 4B step with the fused SwiGLU kernels (levers/swiglu.py, on with CUDA since 2026-12-06; about 0.1 s
+    # by bench_swiglu.py) against the eager tiles and ALST in one call.
+    "fa4swiglu": [
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4")),
+        _v("ours-plan-4B@128k-fa4-eager-swiglu", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4", fused_swiglu=False)),
+        _v("alst-4B@128k", "alst", 128 * K, 160, shape="qwen3-4b", warmup="steady"),
+    ],
     # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).
     "fa4profile": [
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 150, shape="qwen3-4b", warmup="steady", plan=True,

@@ -32,6 +32,7 @@ from .objectives.preference import document_log_probs
 from .recompute import RecomputeContext
 from .levers.rmsnorm import install_efficient_rmsnorm
 from .levers.rope import install_fused_rope, wanted as wants_fused_rope
+from .levers.swiglu import wanted as wants_fused_swiglu
 from .shape import ModelShape, text_config
 from .levers.tiled_mlp import install_tiled_mlp, plain_parameter_name
 
@@ -90,6 +91,10 @@ class SequenceParallelCausalLM(nn.Module):
         rounding of them (rope.py). None (the default): installed where CUDA is available (its CUDA test passed on
         an H100, and it took the Qwen3-4B step at 128k from 36.92 to 36.19 s, BENCHMARKS.md); on the CPU it would
         change nothing, so the model's own function stays. True: installed everywhere; False: never.
+      fused_swiglu: the tiled MLP's tiles of a gated-SiLU MLP (Qwen3, Llama, Mistral) run silu(gate) * up as one
+        Triton kernel each way instead of eager passes, within one rounding of them (swiglu.py). None (the default):
+        where CUDA is available (its CUDA test passed on an H200; the Qwen3-4B tile's kernels 0.549 -> 0.41-0.48 s of
+        the step at 128k, BENCHMARKS.md); True: wherever the kernels run; False: never.
       attention_head_groups: run the attention kernel over this many groups of kv heads one after another,
         so its backward's own working block exists one group at a time ("auto": the fewest groups that keep
         it under 1 GiB, CUDA only; kernels.attention_head_groups). Exact: the kernel's numbers per head.
@@ -111,6 +116,7 @@ class SequenceParallelCausalLM(nn.Module):
         min_offload_bytes: int | None = None,
         efficient_norm: bool = True,
         fused_rope: bool | None = None,
+        fused_swiglu: bool | None = None,
         attention_head_groups: int | str = "auto",
     ):
         super().__init__()
@@ -149,8 +155,9 @@ class SequenceParallelCausalLM(nn.Module):
         if chunked_loss:
             self.levers.append(install_chunked_loss_head(lm, None if chunked_loss is True else int(chunked_loss)))
         if tiled_mlp:
-            self.levers.append(install_tiled_mlp(lm, None if tiled_mlp is True else int(tiled_mlp),
-                                                 router=self.router_loss))
+            tiles = None if tiled_mlp is True else int(tiled_mlp)
+            self.levers.append(install_tiled_mlp(lm, tiles, router=self.router_loss,
+                                                 fused_swiglu=wants_fused_swiglu(fused_swiglu)))
         self.checkpointing = None
         if checkpointing:
             plan = plan or MemoryPlan.everything_checkpointed(self.shape.layers)

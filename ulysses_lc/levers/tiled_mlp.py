@@ -43,6 +43,7 @@ import torch.utils.checkpoint
 
 from ..handle import Handle
 from ..layers import decoder_layers
+from .swiglu import fused_forward, gated_silu_form, runs_on as swiglu_runs_on
 from ..shape import text_config
 
 
@@ -186,7 +187,8 @@ class TiledMLP(nn.Module):
     with the wrapper installed load into the plain model and back.
     """
 
-    def __init__(self, mlp: nn.Module, intermediate_size: int, num_tiles: int | None = None, router=None):
+    def __init__(self, mlp: nn.Module, intermediate_size: int, num_tiles: int | None = None, router=None,
+                 fused_swiglu: bool = False):
         super().__init__()
         if num_tiles is not None and num_tiles < 1:
             raise ValueError(f"num_tiles must be >= 1 or None (automatic), got {num_tiles}.")
@@ -194,6 +196,8 @@ class TiledMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.num_tiles = num_tiles
         self.router = router  # a RouterLoss whose routers run in this MLP (router_loss.py), or None
+        # Its tiles' silu(gate) * up as swiglu.py's kernels, where its own forward is that form (checked here).
+        self.fused_swiglu = bool(fused_swiglu) and gated_silu_form(mlp)
         # A checkpoint recompute stopped right after this MLP (_STOP_RECOMPUTATION): its later calls defer the tiles.
         self.recompute_stops_here = False
         self._output = None  # (inputs' key, y dtype, y's trailing shape) of the last computed call
@@ -217,6 +221,8 @@ class TiledMLP(nn.Module):
         def mlp(x_bce):
             # gpt-oss's MoE block returns (hidden, router scores); its decoder layer drops the scores (the router
             # loss reads the router's own output, through the RouterLoss hooks).
+            if self.fused_swiglu and swiglu_runs_on(x_bce.device):
+                return fused_forward(self.mlp, x_bce)
             y = self.mlp(x_bce)
             if isinstance(y, tuple):
                 returns_tuple.append(True)
@@ -248,7 +254,8 @@ class TiledMLP(nn.Module):
         return (y_bse, None) if returns_tuple else y_bse
 
     def extra_repr(self) -> str:
-        return f"intermediate_size={self.intermediate_size}, num_tiles={self.num_tiles or 'auto'}"
+        fused = ", fused_swiglu=True" if self.fused_swiglu else ""
+        return f"intermediate_size={self.intermediate_size}, num_tiles={self.num_tiles or 'auto'}{fused}"
 
 
 def plain_parameter_name(name: str) -> str:
@@ -285,12 +292,16 @@ def _mlp_width(mlp: nn.Module, config) -> int:
     return config.intermediate_size
 
 
-def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None, router=None) -> Handle:
+def install_tiled_mlp(
+    model: nn.Module, num_tiles: int | None = None, router=None, fused_swiglu: bool = False
+) -> Handle:
     """Wrap every decoder layer's `.mlp` in a TiledMLP; the Handle's undo() restores them.
 
     Call it before `deepspeed.initialize`: ZeRO-3 registers its gather hooks then, and needs to
     see the TiledMLP wrappers as leaf modules.
     router: the model's RouterLoss (objectives/router_loss.py), required when config.output_router_logits is on.
+    fused_swiglu: the tiles of gated-SiLU MLPs run silu(gate) * up as one Triton kernel each way where it runs
+    (swiglu.py: CUDA); other MLPs and devices run their own forward.
     """
     layers = decoder_layers(model, "tiled MLP")
     config = model.config
@@ -313,7 +324,7 @@ def install_tiled_mlp(model: nn.Module, num_tiles: int | None = None, router=Non
             raise ValueError("tiled MLP is already installed; call the undo returned by the first install.")
         originals.append(mlp)
         layer.mlp = TiledMLP(mlp, _mlp_width(mlp, config), num_tiles,
-                             router if router is not None and router.owns(mlp) else None)
+                             router if router is not None and router.owns(mlp) else None, fused_swiglu)
 
     def undo():
         for layer, mlp in zip(layers, originals):
