@@ -117,10 +117,9 @@ def explicit_backends(q: torch.Tensor, kernel: str) -> tuple[str, ...]:
 # runs in groups: the forward holds nothing beside its out and log-sum-exp, so it runs once over all heads, with no
 # per-group output to copy, and its log-sum-exp is regrouped for the backward's calls (FA4's forward at the Qwen3-4B
 # layer, 128k: 7% faster in one call than over four groups on an H100, the same on an H200 at its power cap;
-# BENCHMARKS.md). The gradients are written into full-size tensors; each
-# group's own (1/G of them) is transient. The numbers are
-# the kernel's own per head: bitwise equal to one call over all heads on CPU (tests); cuDNN's backward is
-# not deterministic run to run (atomic dq accumulation), and the groups stay within that spread (GPU test).
+# BENCHMARKS.md). The gradients are written into full-size tensors; each group's own (1/G of them) is transient.
+# The numbers are the kernel's own per head: bitwise equal to one call over all heads on CPU (tests); cuDNN's
+# backward is not deterministic run to run (atomic dq accumulation), and the groups stay within that spread (GPU test).
 # Groups of whole kv heads keep every kv head's gradient inside one call: splitting the query heads that
 # share a kv head would add partial dk, dv sums in another order. Under Ulysses a rank holds h_kv / sp kv
 # heads (at least one), so these groups are divisors of that.
@@ -210,12 +209,11 @@ def _grouped_forward(backend, q, k, v, scale, groups):
     all heads (the forward holds no block beside its out and lse, the note above); lse is the kernel's own for one
     group, else regrouped [groups, b, h / groups, s], each group's block contiguous."""
     fwd = _EXPLICIT[backend][0]
-    if groups == 1 or not _FORWARD_IN_ONE_CALL:
-        if groups == 1:
-            out, lse, aux = fwd(q, k, v, scale)
-            return out, lse, (aux,)
+    if groups > 1 and not _FORWARD_IN_ONE_CALL:
         return _forward_per_group(fwd, q, k, v, scale, groups)
     out, lse, aux = fwd(q, k, v, scale)
+    if groups == 1:
+        return out, lse, (aux,)
     # FLASH's backward reads the log-sum-exp as a contiguous [b, h, s] block whatever its strides, so a head slice
     # of one [b, h, s] tensor would hand it another head's values from the second sequence on: group-major instead.
     # The groups' query heads are consecutive blocks of heads / groups (_group_slices), so this is a reshape.
