@@ -7,6 +7,8 @@ Variants, each forward + backward of the summed cross-entropy of hidden [t, h] (
 [vocab, h] head (bf16, vocab 151,936 as Qwen3), gradients for both:
   ours          ulysses_lc.chunked_cross_entropy, automatic rows (~1 GiB of fp32 logits per chunk),
                 gradient computed in forward (3 matmuls per chunk, bf16 in, fp32 softmax)
+  ours-fused    ours with each chunk's softmax cross-entropy as one Triton kernel over its bf16 logits, the
+                gradient written in place (chunked_loss.FUSED_ROWS; CUDA)
   ours-256      the same with 256-row chunks (isolates the chunk size)
   trl-style     the peer the issue names: 256-row chunks, the head cast to fp32 per chunk, the chunk's
                 logits recomputed in backward (torch.utils.checkpoint per chunk: 4 matmuls, fp32)
@@ -53,11 +55,16 @@ def full(hidden, weight, labels):
     return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def ours(rows=None):
+def ours(rows=None, fused=False):
     from ulysses_lc import chunked_cross_entropy
+    from ulysses_lc.levers import chunked_loss
 
     def run(hidden, weight, labels):
-        return chunked_cross_entropy(hidden, weight, labels, chunk_rows=rows)[0]
+        chunked_loss.FUSED_ROWS = fused
+        try:
+            return chunked_cross_entropy(hidden, weight, labels, chunk_rows=rows)[0]
+        finally:
+            chunked_loss.FUSED_ROWS = False
 
     return run
 
@@ -105,7 +112,8 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.smoke:
         args.tokens, args.hidden, args.vocab = [512], 32, 1000
-    variants = {"ours": ours(), "ours-256": ours(256), "trl-style": trl_style, "full": full}
+    variants = {"ours": ours(), "ours-fused": ours(fused=True), "ours-256": ours(256), "trl-style": trl_style,
+                "full": full}
     variants.update({f"ours-{r}": ours(r) for r in args.rows})
     from ulysses_lc.levers.chunked_loss import auto_chunk_rows
 

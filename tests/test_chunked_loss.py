@@ -383,3 +383,74 @@ def test_bf16_is_as_close_to_the_truth_as_the_plain_bf16_loss(chunk_rows):
     for name, got, base, want, bound in zip(("loss", "d hidden", "d weight"), ours, plain, truth, (1e-3, 2e-2, 2e-2)):
         err, err_plain = rel(got, want), rel(base, want)
         assert err <= max(2 * err_plain, 1e-6) and err <= bound, (name, err, err_plain)
+
+
+# ---- the fused rows kernel (chunked_loss_module.FUSED_ROWS, ce_kernel.py) ----
+# bf16 logits as the matmul writes them; the kernel computes in fp32 like the eager path, so the loss agrees within
+# fp32 summation order (1e-6 relative) and the gradients within one bf16 step of d loss / d logits (2^-7 of the
+# largest, relative; Triton's interpreter narrows fp32 to bf16 toward zero where the eager cast rounds to nearest).
+
+
+def _fused_case(seed, t=50, e=16, v=97):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, e, generator=g).to(torch.bfloat16)
+    weight = torch.randn(v, e, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[[3, 17, 18, t - 1]] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def _loss_and_grads(hidden, weight, labels, chunk_rows):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss_sum, n_valid = chunked_cross_entropy(h, w, labels, chunk_rows=chunk_rows)
+    loss_sum.backward()
+    return loss_sum.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("block", [4096, 32])  # one block a row, and four of them, the last partly masked
+def test_fused_rows_kernel_equals_the_eager_chunk(monkeypatch, block):
+    pytest.importorskip("triton", reason="the fused rows kernel is Triton's (installed with the test extra)")
+    hidden, weight, labels = _fused_case(7)
+    eager = _loss_and_grads(hidden, weight, labels, chunk_rows=16)
+    monkeypatch.setattr(chunked_loss_module, "FUSED_ROWS", True)
+    monkeypatch.setattr(chunked_loss_module, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(chunked_loss_module, "_ROWS_BLOCK", block)
+    calls = []
+    rows = chunked_loss_module.fused_rows
+    monkeypatch.setattr(chunked_loss_module, "fused_rows", lambda *a: calls.append(a[3]) or rows(*a))
+    fused = _loss_and_grads(hidden, weight, labels, chunk_rows=16)
+    assert calls == [True] * 4  # 50 rows in chunks of 16, each with its gradient
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=0)
+    for name, got, want in zip(("hidden", "weight"), fused[1:], eager[1:]):
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err <= 2**-7, (name, err)
+    assert torch.count_nonzero(fused[1][[3, 17, 18, 49]]) == 0  # ignored rows: exact zeros
+    with torch.no_grad():  # evaluation: the loss alone, no gradient written
+        calls.clear()
+        loss_sum, _ = chunked_cross_entropy(hidden, weight, labels, chunk_rows=64)
+    assert calls == [False]
+    torch.testing.assert_close(loss_sum, eager[0], rtol=1e-6, atol=0)
+
+
+def test_fused_rows_off_by_default_and_never_on_the_cpu_alone():
+    assert chunked_loss_module.FUSED_ROWS is False
+    logits = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert not chunked_loss_module._fused_rows_take(logits, None, torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_rows_equal_the_eager_chunk(monkeypatch):
+    g = torch.Generator().manual_seed(8)
+    t, e, v = 2048, 256, 151936
+    hidden = torch.randn(t, e, generator=g).to(torch.bfloat16).cuda()
+    weight = (0.1 * torch.randn(v, e, generator=g)).to(torch.bfloat16).cuda()
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[::7] = IGNORE_INDEX
+    labels = labels.cuda()
+    eager = _loss_and_grads(hidden, weight, labels, chunk_rows=512)
+    monkeypatch.setattr(chunked_loss_module, "FUSED_ROWS", True)
+    fused = _loss_and_grads(hidden, weight, labels, chunk_rows=512)
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=0)
+    for name, got, want in zip(("hidden", "weight"), fused[1:], eager[1:]):
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err <= 2**-8, (name, err)

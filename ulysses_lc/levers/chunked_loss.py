@@ -54,6 +54,8 @@ shard_batch(..., vocab_size=...). With labels on the CPU (tests, CPU runs) readi
 free, so the forward raises the clear ValueError itself.
 """
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -100,10 +102,53 @@ def check_labels_on_device(labels_t: torch.Tensor, valid_t: torch.Tensor, v: int
     )
 
 
+# The chunk's softmax cross-entropy as one Triton kernel over its rows (ce_kernel.py), on CUDA: the eager path above
+# makes about a dozen passes over [c, v] in fp32 (the upcast, logsumexp's max / exp / sum, sub_, exp_, the bf16 cast),
+# the kernel two over the matmul's own bf16 logits, computing in fp32 and writing the gradient over them in place
+# (a second [c, v] fp32 block never exists). The same numbers up to fp32 summation order (its running log-sum-exp),
+# rounded once to the logits' dtype as the eager path rounds its fp32 gradient. Off until its CUDA test has run
+# (tests/test_chunked_loss.py, bench_step.py's variant `fused_ce_rows`); the CPU never takes it.
+FUSED_ROWS = False
+# Run the kernel in Triton's interpreter on CPU tensors (the tests' switch, on machines without a GPU; slow).
+INTERPRET_ON_CPU = False
+_ROWS_BLOCK = 4096  # vocabulary columns a program reads at a time
+
+
+def _fused_rows_take(logits_cv: torch.Tensor, softcap, acc_dtype) -> bool:
+    if not FUSED_ROWS or softcap is not None or acc_dtype != torch.float32:
+        return False
+    if logits_cv.dtype not in (torch.bfloat16, torch.float16) or not logits_cv.is_contiguous():
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return logits_cv.is_cuda or (logits_cv.device.type == "cpu" and INTERPRET_ON_CPU)
+
+
+def fused_rows(logits_cv, safe_labels_c, valid_c, grad: bool) -> torch.Tensor:
+    """Each row's loss [c] in fp32 (0 for ignored rows) by the kernel; with `grad`, logits_cv becomes d loss / d
+    logits in place (ce_kernel.py)."""
+    from . import ce_kernel
+
+    loss_c = torch.empty(logits_cv.shape[0], dtype=torch.float32, device=logits_cv.device)
+    if loss_c.numel():
+        kernel = ce_kernel.ce_rows if logits_cv.is_cuda else ce_kernel.interpreted_ce_rows()
+        with torch.cuda.device(logits_cv.device) if logits_cv.is_cuda else contextlib.nullcontext():
+            kernel[(logits_cv.shape[0],)](logits_cv, safe_labels_c.contiguous(), valid_c.to(torch.int8).contiguous(),
+                                          loss_c, logits_cv.shape[1], logits_cv.stride(0), GRAD=grad,
+                                          BLOCK=_ROWS_BLOCK)
+    return loss_c
+
+
 def chunk_logits(hidden_ce, weight_ve, bias_v, softcap, acc_dtype):
     """(logits [c, v] in acc_dtype as the loss reads them, tanh(logits / softcap) or None): the chunk's one fp32 block
     (two with softcap, the second kept for the gradient)."""
-    logits_cv = F.linear(hidden_ce, weight_ve, bias_v).to(acc_dtype)
+    return _loss_logits(F.linear(hidden_ce, weight_ve, bias_v), softcap, acc_dtype)
+
+
+def _loss_logits(raw_cv, softcap, acc_dtype):
+    logits_cv = raw_cv.to(acc_dtype)
     tanh_cv = None
     if softcap is not None:
         tanh_cv = logits_cv.div_(softcap).tanh_()
@@ -118,11 +163,19 @@ def chunk_step(hidden_ce, weight_ve, bias_v, safe_labels_c, valid_c, softcap, ac
     (each None when not needed; all None: the forward matmul alone). Ignored rows give exact zeros everywhere.
     Only one [c, v] fp32 block (two with softcap) is live at a time."""
     labels_c1 = safe_labels_c.unsqueeze(1)
-    logits_cv, tanh_cv = chunk_logits(hidden_ce, weight_ve, bias_v, softcap, acc_dtype)
+    need_grad = not (grad_hidden_ce is None and grad_weight_ve is None and grad_bias_v is None)
+    raw_cv = F.linear(hidden_ce, weight_ve, bias_v)
+    if _fused_rows_take(raw_cv, softcap, acc_dtype):
+        chunk_loss = fused_rows(raw_cv, safe_labels_c, valid_c, need_grad).sum()
+        if need_grad:
+            _chunk_backward(raw_cv, hidden_ce, weight_ve, grad_hidden_ce, grad_weight_ve, grad_bias_v)
+        return chunk_loss
+    logits_cv, tanh_cv = _loss_logits(raw_cv, softcap, acc_dtype)
+    del raw_cv
     lse_c = torch.logsumexp(logits_cv, dim=-1)
     target_logit_c = logits_cv.gather(1, labels_c1).squeeze(1)
     chunk_loss = torch.where(valid_c, lse_c - target_logit_c, 0.0).sum()
-    if grad_hidden_ce is None and grad_weight_ve is None and grad_bias_v is None:
+    if not need_grad:
         return chunk_loss
     # d loss_row / d logits_row = mask_row * (softmax(logits_row) - onehot(label)), built in place in the fp32 logits
     # buffer so the chunk never holds a second [c, v] fp32 block. Ignored rows subtract +inf: exp gives exact zeros,
@@ -137,11 +190,18 @@ def chunk_step(hidden_ce, weight_ve, bias_v, safe_labels_c, valid_c, softcap, ac
         grad_bias_v += dlogits_cv.sum(0)
     dlogits_lowp_cv = dlogits_cv.to(hidden_ce.dtype)
     del dlogits_cv, logits_cv
+    _chunk_backward(dlogits_lowp_cv, hidden_ce, weight_ve, grad_hidden_ce, grad_weight_ve, None)
+    return chunk_loss
+
+
+def _chunk_backward(dlogits_lowp_cv, hidden_ce, weight_ve, grad_hidden_ce, grad_weight_ve, grad_bias_v):
+    """The chunk's gradient matmuls from its d loss / d logits in the model's dtype (and the bias's sum, if asked)."""
+    if grad_bias_v is not None:
+        grad_bias_v += dlogits_lowp_cv.sum(0, dtype=grad_bias_v.dtype)
     if grad_hidden_ce is not None:
         torch.mm(dlogits_lowp_cv, weight_ve, out=grad_hidden_ce)
     if grad_weight_ve is not None:
         grad_weight_ve += (dlogits_lowp_cv.t() @ hidden_ce).to(grad_weight_ve.dtype)
-    return chunk_loss
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
