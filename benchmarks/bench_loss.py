@@ -8,7 +8,7 @@ Variants, each forward + backward of the summed cross-entropy of hidden [t, h] (
   ours          ulysses_lc.chunked_cross_entropy, automatic rows (~1 GiB of fp32 logits per chunk),
                 gradient computed in forward (3 matmuls per chunk, bf16 in, fp32 softmax)
   ours-fused    ours with each chunk's softmax cross-entropy as one Triton kernel over its bf16 logits, the
-                gradient written in place (chunked_loss.FUSED_ROWS; CUDA)
+                gradient written in place (levers/ce_rows.py's FUSED_ROWS; CUDA)
   ours-256      the same with 256-row chunks (isolates the chunk size)
   trl-style     the peer the issue names: 256-row chunks, the head cast to fp32 per chunk, the chunk's
                 logits recomputed in backward (torch.utils.checkpoint per chunk: 4 matmuls, fp32)
@@ -57,14 +57,14 @@ def full(hidden, weight, labels):
 
 def ours(rows=None, fused=False):
     from ulysses_lc import chunked_cross_entropy
-    from ulysses_lc.levers import chunked_loss
+    from ulysses_lc.levers import ce_rows
 
     def run(hidden, weight, labels):
-        chunked_loss.FUSED_ROWS = fused
+        ce_rows.FUSED_ROWS = fused
         try:
             return chunked_cross_entropy(hidden, weight, labels, chunk_rows=rows)[0]
         finally:
-            chunked_loss.FUSED_ROWS = False
+            ce_rows.FUSED_ROWS = False
 
     return run
 

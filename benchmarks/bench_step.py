@@ -363,9 +363,9 @@ def run_variant(spec: dict) -> dict:
             if spec.get(f"fa4_{name}"):
                 _fa4_override(name, spec[f"fa4_{name}"])
         if spec.get("fused_ce_rows"):  # the loss head's softmax as one Triton kernel a chunk (chunked_loss.py)
-            from ulysses_lc.levers import chunked_loss
+            from ulysses_lc.levers import ce_rows
 
-            chunked_loss.FUSED_ROWS = True
+            ce_rows.FUSED_ROWS = True
         if spec.get("forward_groups"):  # the attention forward over the head groups too, as before 2026-12-06
             from ulysses_lc.mixers import explicit_attention
 
@@ -577,7 +577,7 @@ SUITES = {
         _v("alst@256k", "alst", 256 * K, 165, warmup="steady"),
     ],
     # issue 43: the 4B step with the fused SwiGLU kernels (levers/swiglu.py, on with CUDA since 2026-12-06; about 0.1 s
-    # by bench_swiglu.py) against the eager tiles, with the loss head's fused rows kernel (chunked_loss.FUSED_ROWS,
+    # by bench_swiglu.py) against the eager tiles, with the loss head's fused rows kernel (ce_rows.FUSED_ROWS,
     # off until measured), and ALST in one call.
     "fa4swiglu": [
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ulysses_lc.levers.chunked_loss as chunked_loss_module
+from ulysses_lc.levers import ce_rows
 from ulysses_lc import ParallelLayout, shard_batch
 from ulysses_lc.levers.chunked_loss import (
     ChunkedLossHead,
@@ -385,7 +386,7 @@ def test_bf16_is_as_close_to_the_truth_as_the_plain_bf16_loss(chunk_rows):
         assert err <= max(2 * err_plain, 1e-6) and err <= bound, (name, err, err_plain)
 
 
-# ---- the fused rows kernel (chunked_loss_module.FUSED_ROWS, ce_kernel.py) ----
+# ---- the fused rows kernel (ce_rows.FUSED_ROWS, ce_kernel.py) ----
 # bf16 logits as the matmul writes them; the kernel computes in fp32 like the eager path, so the loss agrees within
 # fp32 summation order (1e-6 relative) and the gradients within one bf16 step of d loss / d logits (2^-7 of the
 # largest, relative; Triton's interpreter narrows fp32 to bf16 toward zero where the eager cast rounds to nearest).
@@ -412,12 +413,12 @@ def test_fused_rows_kernel_equals_the_eager_chunk(monkeypatch, block):
     pytest.importorskip("triton", reason="the fused rows kernel is Triton's (installed with the test extra)")
     hidden, weight, labels = _fused_case(7)
     eager = _loss_and_grads(hidden, weight, labels, chunk_rows=16)
-    monkeypatch.setattr(chunked_loss_module, "FUSED_ROWS", True)
-    monkeypatch.setattr(chunked_loss_module, "INTERPRET_ON_CPU", True)
-    monkeypatch.setattr(chunked_loss_module, "_ROWS_BLOCK", block)
+    monkeypatch.setattr(ce_rows, "FUSED_ROWS", True)
+    monkeypatch.setattr(ce_rows, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(ce_rows, "_ROWS_BLOCK", block)
     calls = []
-    rows = chunked_loss_module.fused_rows
-    monkeypatch.setattr(chunked_loss_module, "fused_rows", lambda *a: calls.append(a[3]) or rows(*a))
+    rows = ce_rows.fused_rows
+    monkeypatch.setattr(ce_rows, "fused_rows", lambda *a: calls.append(a[3]) or rows(*a))
     fused = _loss_and_grads(hidden, weight, labels, chunk_rows=16)
     assert calls == [True] * 4  # 50 rows in chunks of 16, each with its gradient
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=0)
@@ -433,9 +434,9 @@ def test_fused_rows_kernel_equals_the_eager_chunk(monkeypatch, block):
 
 
 def test_fused_rows_off_by_default_and_never_on_the_cpu_alone():
-    assert chunked_loss_module.FUSED_ROWS is False
+    assert ce_rows.FUSED_ROWS is False
     logits = torch.zeros(4, 8, dtype=torch.bfloat16)
-    assert not chunked_loss_module._fused_rows_take(logits, None, torch.float32)
+    assert not ce_rows.takes(logits, None, torch.float32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -448,7 +449,7 @@ def test_cuda_fused_rows_equal_the_eager_chunk(monkeypatch):
     labels[::7] = IGNORE_INDEX
     labels = labels.cuda()
     eager = _loss_and_grads(hidden, weight, labels, chunk_rows=512)
-    monkeypatch.setattr(chunked_loss_module, "FUSED_ROWS", True)
+    monkeypatch.setattr(ce_rows, "FUSED_ROWS", True)
     fused = _loss_and_grads(hidden, weight, labels, chunk_rows=512)
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=0)
     for name, got, want in zip(("hidden", "weight"), fused[1:], eager[1:]):

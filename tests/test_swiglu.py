@@ -71,7 +71,8 @@ def test_no_kernel_on_the_cpu_without_the_interpreter():
 class _Swapped(nn.Module):  # silu on up, not gate: another function
     def __init__(self, mlp):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act_fn = mlp.act_fn
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))

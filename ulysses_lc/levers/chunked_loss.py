@@ -54,8 +54,6 @@ shard_batch(..., vocab_size=...). With labels on the CPU (tests, CPU runs) readi
 free, so the forward raises the clear ValueError itself.
 """
 
-import contextlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,6 +61,7 @@ import torch.nn.functional as F
 from ..constants import IGNORE_INDEX
 from ..handle import Handle
 from ..parallel.sharding import check_labels_in_vocab
+from . import ce_rows
 
 # fp32 logits bytes per chunk. 1 GiB is ~1.7k rows at v=152k: large enough that each matmul
 # fills an H100/H200 (TRL's 256 rows leave it underused at this vocabulary), small enough that
@@ -102,45 +101,6 @@ def check_labels_on_device(labels_t: torch.Tensor, valid_t: torch.Tensor, v: int
     )
 
 
-# The chunk's softmax cross-entropy as one Triton kernel over its rows (ce_kernel.py), on CUDA: the eager path above
-# makes about a dozen passes over [c, v] in fp32 (the upcast, logsumexp's max / exp / sum, sub_, exp_, the bf16 cast),
-# the kernel two over the matmul's own bf16 logits, computing in fp32 and writing the gradient over them in place
-# (a second [c, v] fp32 block never exists). The same numbers up to fp32 summation order (its running log-sum-exp),
-# rounded once to the logits' dtype as the eager path rounds its fp32 gradient. Off until its CUDA test has run
-# (tests/test_chunked_loss.py, bench_step.py's variant `fused_ce_rows`); the CPU never takes it.
-FUSED_ROWS = False
-# Run the kernel in Triton's interpreter on CPU tensors (the tests' switch, on machines without a GPU; slow).
-INTERPRET_ON_CPU = False
-_ROWS_BLOCK = 4096  # vocabulary columns a program reads at a time
-
-
-def _fused_rows_take(logits_cv: torch.Tensor, softcap, acc_dtype) -> bool:
-    if not FUSED_ROWS or softcap is not None or acc_dtype != torch.float32:
-        return False
-    if logits_cv.dtype not in (torch.bfloat16, torch.float16) or not logits_cv.is_contiguous():
-        return False
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return logits_cv.is_cuda or (logits_cv.device.type == "cpu" and INTERPRET_ON_CPU)
-
-
-def fused_rows(logits_cv, safe_labels_c, valid_c, grad: bool) -> torch.Tensor:
-    """Each row's loss [c] in fp32 (0 for ignored rows) by the kernel; with `grad`, logits_cv becomes d loss / d
-    logits in place (ce_kernel.py)."""
-    from . import ce_kernel
-
-    loss_c = torch.empty(logits_cv.shape[0], dtype=torch.float32, device=logits_cv.device)
-    if loss_c.numel():
-        kernel = ce_kernel.ce_rows if logits_cv.is_cuda else ce_kernel.interpreted_ce_rows()
-        with torch.cuda.device(logits_cv.device) if logits_cv.is_cuda else contextlib.nullcontext():
-            kernel[(logits_cv.shape[0],)](logits_cv, safe_labels_c.contiguous(), valid_c.to(torch.int8).contiguous(),
-                                          loss_c, logits_cv.shape[1], logits_cv.stride(0), GRAD=grad,
-                                          BLOCK=_ROWS_BLOCK)
-    return loss_c
-
-
 def chunk_logits(hidden_ce, weight_ve, bias_v, softcap, acc_dtype):
     """(logits [c, v] in acc_dtype as the loss reads them, tanh(logits / softcap) or None): the chunk's one fp32 block
     (two with softcap, the second kept for the gradient)."""
@@ -165,8 +125,8 @@ def chunk_step(hidden_ce, weight_ve, bias_v, safe_labels_c, valid_c, softcap, ac
     labels_c1 = safe_labels_c.unsqueeze(1)
     need_grad = not (grad_hidden_ce is None and grad_weight_ve is None and grad_bias_v is None)
     raw_cv = F.linear(hidden_ce, weight_ve, bias_v)
-    if _fused_rows_take(raw_cv, softcap, acc_dtype):
-        chunk_loss = fused_rows(raw_cv, safe_labels_c, valid_c, need_grad).sum()
+    if ce_rows.takes(raw_cv, softcap, acc_dtype):
+        chunk_loss = ce_rows.fused_rows(raw_cv, safe_labels_c, valid_c, need_grad).sum()
         if need_grad:
             _chunk_backward(raw_cv, hidden_ce, weight_ve, grad_hidden_ce, grad_weight_ve, grad_bias_v)
         return chunk_loss
