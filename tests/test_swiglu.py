@@ -100,7 +100,7 @@ def _grads(model):
     return {plain_parameter_name(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "mistral", "qwen3_5"])
 def test_tiled_model_with_the_kernels_equals_the_plain_model(interpreted, family):
     torch.manual_seed(0)
     plain = build(family)
