@@ -18,9 +18,10 @@ tests' switch, on machines without a GPU; slow); the CPU never takes it otherwis
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import torch
+
+from .triton_support import kernel_runs_on
 
 FUSED_ROWS = False
 INTERPRET_ON_CPU = False
@@ -34,9 +35,7 @@ def takes(logits_cv: torch.Tensor, softcap, acc_dtype) -> bool:
         return False
     if logits_cv.dtype not in (torch.bfloat16, torch.float16) or not logits_cv.is_contiguous():
         return False
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return logits_cv.is_cuda or (logits_cv.device.type == "cpu" and INTERPRET_ON_CPU)
+    return kernel_runs_on(logits_cv.device, INTERPRET_ON_CPU)
 
 
 def fused_rows(logits_cv, safe_labels_c, valid_c, grad: bool) -> torch.Tensor:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import inspect
 import logging
 import sys
@@ -32,6 +31,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from ..handle import Handle
+from .triton_support import kernel_runs_on, wanted_where_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,6 @@ _PROGRAM_ELEMENTS = 4096
 FORMS = {"llama": 2, "half": 1}
 # Run the kernel in Triton's interpreter on CPU tensors (the tests' switch, on machines without a GPU; slow).
 INTERPRET_ON_CPU = False
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _kernel(device: torch.device):
@@ -64,9 +59,7 @@ def _interpreted():
 
 
 def _runs_on(device: torch.device) -> bool:
-    if not _triton_importable():
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and INTERPRET_ON_CPU)
+    return kernel_runs_on(device, INTERPRET_ON_CPU)
 
 
 def takes(q_bhsd, k_bhsd, cos_bsd, sin_bsd, unsqueeze_dim=1, form: str = "llama") -> bool:
@@ -239,7 +232,7 @@ def rope_modules(model: nn.Module) -> list:
 def wanted(setting: bool | None) -> bool:
     """SequenceParallelCausalLM's `fused_rope`: True / False as given; None (its default) where CUDA is available,
     the only device the kernel runs on (on the CPU the switched function would run the module's own anyway)."""
-    return bool(setting) if setting is not None else torch.cuda.is_available()
+    return wanted_where_cuda(setting)
 
 
 def install_fused_rope(model: nn.Module) -> Handle:

@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .triton_support import kernel_runs_on, wanted_where_cuda
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = 2048  # elements one program handles
 # Run the kernels in Triton's interpreter on CPU tensors (the tests' switch, on machines without a GPU; slow).
 INTERPRET_ON_CPU = False
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -54,9 +50,7 @@ def _kernels(device: torch.device):
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels run on `device`: CUDA with Triton importable, or the CPU under INTERPRET_ON_CPU."""
-    if not _triton_importable():
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and INTERPRET_ON_CPU)
+    return kernel_runs_on(device, INTERPRET_ON_CPU)
 
 
 def _launch(kernel, device, n, *tensors):
@@ -140,7 +134,7 @@ def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def wanted(setting: bool | None) -> bool:
     """The `fused_swiglu` setting: None (the default) takes the kernels where CUDA is available."""
-    return bool(setting) if setting is not None else torch.cuda.is_available()
+    return wanted_where_cuda(setting)
 
 
 __all__ = ["FusedSwiGLU", "fused_forward", "gated_silu_form", "runs_on", "swiglu", "wanted"]

@@ -219,10 +219,10 @@ class TiledMLP(nn.Module):
         returns_tuple = []
 
         def mlp(x_bce):
-            # gpt-oss's MoE block returns (hidden, router scores); its decoder layer drops the scores (the router
-            # loss reads the router's own output, through the RouterLoss hooks).
             if self.fused_swiglu and swiglu_runs_on(x_bce.device):
                 return fused_forward(self.mlp, x_bce)
+            # gpt-oss's MoE block returns (hidden, router scores); its decoder layer drops the scores (the router
+            # loss reads the router's own output, through the RouterLoss hooks).
             y = self.mlp(x_bce)
             if isinstance(y, tuple):
                 returns_tuple.append(True)
