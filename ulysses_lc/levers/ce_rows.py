@@ -17,11 +17,11 @@ tests' switch, on machines without a GPU; slow); the CPU never takes it otherwis
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 
-from .triton_support import kernel_runs_on
+from .triton_support import kernel_runs_on, launch_device
 
 FUSED_ROWS = False
 INTERPRET_ON_CPU = False
@@ -38,6 +38,13 @@ def takes(logits_cv: torch.Tensor, softcap, acc_dtype) -> bool:
     return kernel_runs_on(logits_cv.device, INTERPRET_ON_CPU)
 
 
+@functools.cache
+def _interpreted():
+    from . import ce_kernel
+
+    return ce_kernel.interpreted_ce_rows()
+
+
 def fused_rows(logits_cv, safe_labels_c, valid_c, grad: bool) -> torch.Tensor:
     """Each row's loss [c] in fp32 (0 for ignored rows) by the kernel; with `grad`, logits_cv becomes d loss / d
     logits in place (ce_kernel.py)."""
@@ -45,8 +52,8 @@ def fused_rows(logits_cv, safe_labels_c, valid_c, grad: bool) -> torch.Tensor:
 
     loss_c = torch.empty(logits_cv.shape[0], dtype=torch.float32, device=logits_cv.device)
     if loss_c.numel():
-        kernel = ce_kernel.ce_rows if logits_cv.is_cuda else ce_kernel.interpreted_ce_rows()
-        with torch.cuda.device(logits_cv.device) if logits_cv.is_cuda else contextlib.nullcontext():
+        kernel = ce_kernel.ce_rows if logits_cv.is_cuda else _interpreted()
+        with launch_device(logits_cv.device):
             kernel[(logits_cv.shape[0],)](logits_cv, safe_labels_c.contiguous(), valid_c.to(torch.int8).contiguous(),
                                           loss_c, logits_cv.shape[1], logits_cv.stride(0), GRAD=grad,
                                           BLOCK=_ROWS_BLOCK)

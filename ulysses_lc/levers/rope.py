@@ -20,7 +20,6 @@ call (partial rotary, the CPU, cos with a gradient) runs the module's own functi
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -31,7 +30,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from ..handle import Handle
-from .triton_support import kernel_runs_on, wanted_where_cuda
+from .triton_support import kernel_runs_on, launch_device, wanted_where_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +108,7 @@ def rope_bhsd(x_bhsd: torch.Tensor, cos_bsd: torch.Tensor, sin_bsd: torch.Tensor
     cos_sb = cos_bsd.stride(0) if cos_bsd.shape[0] > 1 else 0
     x_strides = (x_bhsd.stride(0), x_bhsd.stride(2), x_bhsd.stride(1))  # batch, position, head
     y_strides = (y_bhsd.stride(0), y_bhsd.stride(2), y_bhsd.stride(1))
-    device = torch.cuda.device(x_bhsd.device) if x_bhsd.is_cuda else contextlib.nullcontext()
-    with device:  # Triton launches on the current device
+    with launch_device(x_bhsd.device):
         _kernel(x_bhsd.device)[grid](x_bhsd, y_bhsd, cos_bsd, sin_bsd, s, *x_strides, *y_strides, cos_sb,
                                      cos_bsd.stride(1), half if full else 0, h, HALF=half, HALF_PAD=half_pad,
                                      BLOCK_H=block_h, BACKWARD=backward)

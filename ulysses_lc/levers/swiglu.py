@@ -19,7 +19,6 @@ where the kernel runs (CUDA with Triton; on the CPU only with INTERPRET_ON_CPU, 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .triton_support import kernel_runs_on, wanted_where_cuda
+from .triton_support import kernel_runs_on, launch_device, wanted_where_cuda
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = 2048  # elements one program handles
@@ -55,7 +54,7 @@ def runs_on(device: torch.device) -> bool:
 
 def _launch(kernel, device, n, *tensors):
     grid = (-(-n // _BLOCK),)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton's current device
+    with launch_device(device):
         kernel[grid](*tensors, n, BLOCK=_BLOCK)
 
 

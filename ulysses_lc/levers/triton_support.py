@@ -5,6 +5,7 @@ settings, on where CUDA is available.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 
@@ -28,3 +29,9 @@ def wanted_where_cuda(setting: bool | None) -> bool:
     """A kernel lever's setting: True / False as given; None (the default) where CUDA is available, the only device
     the kernels run on outside the tests."""
     return bool(setting) if setting is not None else torch.cuda.is_available()
+
+
+def launch_device(device: torch.device):
+    """The context a kernel launch on `device` runs in: Triton launches on the current CUDA device, so that device's
+    for a CUDA tensor, nothing for the interpreter's CPU tensors."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
