@@ -362,7 +362,7 @@ def run_variant(spec: dict) -> dict:
         for name in ("bwd", "fwd"):  # BwdConfig / FwdConfig fields over FA4's own pick (bench_fa4_tiles.py)
             if spec.get(f"fa4_{name}"):
                 _fa4_override(name, spec[f"fa4_{name}"])
-        if spec.get("fused_ce_rows"):  # the loss head's softmax as one Triton kernel a chunk (chunked_loss.py)
+        if spec.get("fused_ce_rows"):  # the loss head's softmax as one Triton kernel a chunk (levers/ce_rows.py)
             from ulysses_lc.levers import ce_rows
 
             ce_rows.FUSED_ROWS = True
