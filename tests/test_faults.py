@@ -668,6 +668,40 @@ def _resume_in(rank, world_size, tmp, cfg):
     return train_worker(rank, world_size, cfg)
 
 
+def test_a_full_disk_in_deepspeeds_script_copy_names_the_checkpoint_folder(tmp_path, monkeypatch):
+    """DeepSpeed copies zero_to_fp32.py into each tag with shutil, whose error names its source (DeepSpeed's install)
+    in `filename` and the destination in `filename2`: the failure names the checkpoint's file. CI's tmpfs filled up
+    at this copy and the message sent the user to site-packages."""
+    import errno
+    import types
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ulysses_lc.train.checkpoint_files import recording_files
+
+    class Engine:
+        _copy_recovery_script = DeepSpeedEngine._copy_recovery_script
+        checkpoint_engine = types.SimpleNamespace()
+
+        def _change_recovery_script_permissions(self, dst):
+            pass
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "sendfile", full)
+    import shutil
+    monkeypatch.setattr(shutil, "copyfileobj", lambda *a, **k: full())  # where the platform copies without sendfile
+    tag = tmp_path / "checkpoints" / "step4"
+    tag.mkdir(parents=True)
+    failed = []
+    engine = Engine()
+    with recording_files(engine, failed):
+        engine._copy_recovery_script(str(tag))
+    assert [(path, e.errno) for path, e in failed] == [(tag / "zero_to_fp32.py", errno.ENOSPC)], failed
+    assert "_copy_recovery_script" not in vars(engine)
+
+
 def test_read_only_and_quota_errors_name_the_cause_and_the_fix(tmp_path):
     import errno
 

@@ -100,7 +100,7 @@ def recording_files(engine, failed: list):
         try:
             copy_scripts(save_path)
         except OSError as e:
-            failed.append((Path(e.filename or Path(save_path) / "zero_to_fp32.py"), e))
+            failed.append((copy_target(e, save_path), e))
 
     checkpoint_engine.save = save  # an attribute of this instance, over its class's method: deleted on exit
     if copy_scripts is not None:
@@ -111,6 +111,17 @@ def recording_files(engine, failed: list):
         del checkpoint_engine.save
         if copy_scripts is not None:
             del engine._copy_recovery_script
+
+
+def copy_target(error: OSError, save_path) -> Path:
+    """The file a failed copy into `save_path` was writing. shutil's copy names its source in `filename` and its
+    destination in `filename2` (a full disk fails the write, not the read): the one under `save_path`, else the
+    script DeepSpeed copies there, so that the message names the checkpoint's folder, not DeepSpeed's install."""
+    folder = Path(save_path).resolve()
+    for name in (error.filename2, error.filename):
+        if name and folder in Path(name).resolve().parents:
+            return Path(name)
+    return Path(save_path) / "zero_to_fp32.py"
 
 
 def _os_error(e: BaseException | None) -> OSError | None:
