@@ -7,6 +7,8 @@ Also: the forward never reads device values (no host sync), and shard_batch(voca
 host-side label range check.
 """
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -437,6 +439,61 @@ def test_fused_rows_off_by_default_and_never_on_the_cpu_alone():
     assert ce_rows.FUSED_ROWS is False
     logits = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not ce_rows.takes(logits, None, torch.float32)
+
+
+def test_a_heads_fused_rows_setting_overrides_the_default_down_to_each_chunk(monkeypatch):
+    """fused_rows on chunked_cross_entropy, ChunkedLossHead (through install_chunked_loss_head and the DPO documents'
+    log-probabilities) reaches chunk_step: True takes the kernel with the default off, False keeps the eager chunk
+    with it on, None follows ce_rows.FUSED_ROWS; the kernel's numbers agree with the eager ones as above."""
+    pytest.importorskip("triton", reason="the fused rows kernel is Triton's (installed with the test extra)")
+    from ulysses_lc.levers.chunked_loss import install_chunked_loss_head
+    from ulysses_lc.objectives.preference import DocumentRows
+
+    monkeypatch.setattr(ce_rows, "INTERPRET_ON_CPU", True)
+    calls = []
+    rows = ce_rows.fused_rows
+    monkeypatch.setattr(ce_rows, "fused_rows", lambda *a: calls.append(a[3]) or rows(*a))
+    hidden, weight, labels = _fused_case(9, t=20, v=41)
+    eager = chunked_cross_entropy(hidden, weight, labels, chunk_rows=8)[0]
+    assert calls == []
+    for setting, default, taken in ((True, False, 3), (False, True, 0), (None, True, 3), (None, False, 0)):
+        monkeypatch.setattr(ce_rows, "FUSED_ROWS", default)
+        calls.clear()
+        loss = chunked_cross_entropy(hidden, weight, labels, chunk_rows=8, fused_rows=setting)[0]
+        assert len(calls) == taken, (setting, default, calls)
+        torch.testing.assert_close(loss, eager, rtol=1e-6, atol=0)
+    monkeypatch.setattr(ce_rows, "FUSED_ROWS", False)
+
+    model = nn.Module()
+    model.config = types.SimpleNamespace()
+    model.head = nn.Linear(16, 41, bias=False, dtype=torch.bfloat16)
+    model.get_output_embeddings = lambda: model.head
+    model.set_output_embeddings = lambda head: setattr(model, "head", head)
+    with torch.no_grad():
+        model.head.weight.copy_(weight)
+    handle = install_chunked_loss_head(model, 8, fused_rows=True)
+    assert model.head.fused_rows is True
+    calls.clear()
+    torch.testing.assert_close(model.head(hidden, labels)[0], eager, rtol=1e-6, atol=0)
+    assert len(calls) == 3
+    documents = DocumentRows(2, ((0, 0, 12), (1, 12, 20)))
+    calls.clear()
+    fused_logps = model.head(hidden, labels, documents=documents)
+    assert len(calls) == 3  # rows 0-8, 8-12 of the first document, 12-20 of the second
+    model.head.fused_rows = False
+    torch.testing.assert_close(fused_logps, model.head(hidden, labels, documents=documents), rtol=1e-6, atol=0)
+    assert len(calls) == 3
+    handle.undo()
+    assert isinstance(model.head, nn.Linear)
+
+    from tests.models import build
+    from ulysses_lc import SequenceParallelCausalLM
+
+    layout = ParallelLayout(world_size=1, sp_size=1)
+    for setting in (True, False, None):  # the wrapper's fused_ce_rows is its head's fused_rows
+        wrapped = SequenceParallelCausalLM(build("qwen3"), layout, checkpointing=False, offload=False,
+                                           fused_ce_rows=setting)
+        assert wrapped.model.get_output_embeddings().fused_rows is setting
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

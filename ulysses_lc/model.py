@@ -95,6 +95,9 @@ class SequenceParallelCausalLM(nn.Module):
         Triton kernel each way instead of eager passes, within one rounding of them (swiglu.py). None (the default):
         where CUDA is available (its CUDA test passed on an H200; the Qwen3-4B tile's kernels 0.549 -> 0.41-0.48 s of
         the step at 128k, BENCHMARKS.md); True: wherever the kernels run; False: never.
+      fused_ce_rows: the chunked loss's softmax cross-entropy as one Triton kernel a chunk on CUDA, reading the bf16
+        logits twice and writing the gradient over them (ce_rows.py). None (the default): ce_rows.FUSED_ROWS, off
+        until its CUDA test has run; True: wherever the kernel runs; False: never.
       attention_head_groups: run the attention kernel over this many groups of kv heads one after another,
         so its backward's own working block exists one group at a time ("auto": the fewest groups that keep
         it under 1 GiB, CUDA only; kernels.attention_head_groups). Exact: the kernel's numbers per head.
@@ -117,6 +120,7 @@ class SequenceParallelCausalLM(nn.Module):
         efficient_norm: bool = True,
         fused_rope: bool | None = None,
         fused_swiglu: bool | None = None,
+        fused_ce_rows: bool | None = None,
         attention_head_groups: int | str = "auto",
     ):
         super().__init__()
@@ -153,7 +157,8 @@ class SequenceParallelCausalLM(nn.Module):
         if wants_fused_rope(fused_rope):
             self.levers.append(install_fused_rope(lm))
         if chunked_loss:
-            self.levers.append(install_chunked_loss_head(lm, None if chunked_loss is True else int(chunked_loss)))
+            self.levers.append(install_chunked_loss_head(lm, None if chunked_loss is True else int(chunked_loss),
+                                                         fused_rows=fused_ce_rows))
         if tiled_mlp:
             tiles = None if tiled_mlp is True else int(tiled_mlp)
             self.levers.append(install_tiled_mlp(lm, tiles, router=self.router_loss,

@@ -10,9 +10,11 @@ them in place, so no [c, v] fp32 block exists. The same numbers up to fp32 summa
 rounded once to the logits' dtype as the eager path rounds its fp32 gradient; a bias's gradient is summed from that
 rounded gradient (the eager path sums the fp32 one).
 
-FUSED_ROWS: off until its CUDA test has run (tests/test_chunked_loss.py; bench_step.py's variant `fused_ce_rows` and
-bench_loss.py's `ours-fused` time it). INTERPRET_ON_CPU: run the kernel in Triton's interpreter on CPU tensors (the
-tests' switch, on machines without a GPU; slow); the CPU never takes it otherwise.
+FUSED_ROWS: the default of a head's `fused_rows` setting (None), off until its CUDA test has run
+(tests/test_chunked_loss.py; bench_step.py's variant `fused_ce_rows` and bench_loss.py's `ours-fused` time it); a
+head's True or False (ChunkedLossHead, chunked_cross_entropy, SequenceParallelCausalLM's fused_ce_rows) overrides it.
+INTERPRET_ON_CPU: run the kernel in Triton's interpreter on CPU tensors (the tests' switch, on machines without a GPU;
+slow); the CPU never takes it otherwise.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ INTERPRET_ON_CPU = False
 _ROWS_BLOCK = 4096  # vocabulary columns a program reads at a time
 
 
-def takes(logits_cv: torch.Tensor, softcap, acc_dtype) -> bool:
-    """Whether chunk_step runs this chunk's [c, v] logits (the matmul's output) through the kernel: switched on, no
-    soft-capping, fp32 accumulation, bf16 / fp16 contiguous logits, Triton, and CUDA (or the interpreter on the CPU)."""
-    if not FUSED_ROWS or softcap is not None or acc_dtype != torch.float32:
+def wanted(setting: bool | None) -> bool:
+    """A head's fused_rows setting: True / False as given; None (the default) FUSED_ROWS."""
+    return FUSED_ROWS if setting is None else bool(setting)
+
+
+def takes(logits_cv: torch.Tensor, softcap, acc_dtype, setting: bool | None = None) -> bool:
+    """Whether chunk_step runs this chunk's [c, v] logits (the matmul's output) through the kernel: switched on
+    (`wanted(setting)`), no soft-capping, fp32 accumulation, bf16 / fp16 contiguous logits, Triton, and CUDA (or the
+    interpreter on the CPU)."""
+    if not wanted(setting) or softcap is not None or acc_dtype != torch.float32:
         return False
     if logits_cv.dtype not in (torch.bfloat16, torch.float16) or not logits_cv.is_contiguous():
         return False
@@ -60,4 +68,4 @@ def fused_rows(logits_cv, safe_labels_c, valid_c, grad: bool) -> torch.Tensor:
     return loss_c
 
 
-__all__ = ["FUSED_ROWS", "INTERPRET_ON_CPU", "fused_rows", "takes"]
+__all__ = ["FUSED_ROWS", "INTERPRET_ON_CPU", "fused_rows", "takes", "wanted"]

@@ -117,15 +117,16 @@ def _loss_logits(raw_cv, softcap, acc_dtype):
 
 
 def chunk_step(hidden_ce, weight_ve, bias_v, safe_labels_c, valid_c, softcap, acc_dtype,
-               grad_hidden_ce=None, grad_weight_ve=None, grad_bias_v=None) -> torch.Tensor:
+               grad_hidden_ce=None, grad_weight_ve=None, grad_bias_v=None, fused_rows=None) -> torch.Tensor:
     """One chunk of the head: returns the summed cross-entropy of its valid rows and, for grad_output = 1, writes
     the rows' hidden-state gradient into grad_hidden_ce and adds the weight's and bias's into the fp32 accumulators
     (each None when not needed; all None: the forward matmul alone). Ignored rows give exact zeros everywhere.
-    Only one [c, v] fp32 block (two with softcap) is live at a time."""
+    Only one [c, v] fp32 block (two with softcap) is live at a time; none where ce_rows.py's kernel takes the chunk
+    (fused_rows: ce_rows.wanted)."""
     labels_c1 = safe_labels_c.unsqueeze(1)
     need_grad = not (grad_hidden_ce is None and grad_weight_ve is None and grad_bias_v is None)
     raw_cv = F.linear(hidden_ce, weight_ve, bias_v)
-    if ce_rows.takes(raw_cv, softcap, acc_dtype):
+    if ce_rows.takes(raw_cv, softcap, acc_dtype, fused_rows):
         chunk_loss = ce_rows.fused_rows(raw_cv, safe_labels_c, valid_c, need_grad).sum()
         if need_grad:
             _chunk_backward(raw_cv, hidden_ce, weight_ve, grad_hidden_ce, grad_weight_ve, grad_bias_v)
@@ -179,7 +180,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_te, weight_ve, bias_v, labels_t, chunk_rows, softcap=None):
+    def forward(ctx, hidden_te, weight_ve, bias_v, labels_t, chunk_rows, softcap=None, fused_rows=None):
         t, e = hidden_te.shape
         v = weight_ve.shape[0]
         dtype = hidden_te.dtype
@@ -208,7 +209,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             hidden_ce = hidden_te[start:end]
             loss_sum += chunk_step(
                 hidden_ce, weight_ve, bias_v, safe_labels_t[start:end], valid_t[start:end], softcap, acc_dtype,
-                None if grad_hidden_te is None else grad_hidden_te[start:end], grad_weight_ve, grad_bias_v)
+                None if grad_hidden_te is None else grad_hidden_te[start:end], grad_weight_ve, grad_bias_v, fused_rows)
 
         ctx.grad_hidden_te = grad_hidden_te
         ctx.grad_weight_ve = grad_weight_ve
@@ -235,7 +236,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         if ctx.grad_bias_v is not None:
             grad_bias = ctx.grad_bias_v.mul_(grad_loss_sum).to(ctx.bias_dtype)
         ctx.grad_hidden_te = ctx.grad_weight_ve = ctx.grad_bias_v = None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -245,12 +246,14 @@ def chunked_cross_entropy(
     bias_v: torch.Tensor | None = None,
     chunk_rows: int | None = None,
     softcap: float | None = None,
+    fused_rows: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (loss_sum fp32 (fp64 for fp64 inputs), n_valid int64) of the LM head over `hidden_te`, chunk by chunk.
 
     Labels are already shifted; rows labelled IGNORE_INDEX contribute nothing. `chunk_rows`
     overrides the automatic rows per chunk (about 1 GiB of fp32 logits). softcap: the loss reads
-    softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping).
+    softcap * tanh(logits / softcap) (Gemma's final_logit_softcapping). fused_rows: each chunk's softmax as
+    ce_rows.py's Triton kernel on CUDA (None: its default, ce_rows.wanted).
     """
     if hidden_te.dim() != 2 or labels_t.dim() != 1 or hidden_te.shape[0] != labels_t.shape[0]:
         raise ValueError(
@@ -266,7 +269,8 @@ def chunked_cross_entropy(
         chunk_rows = auto_chunk_rows(weight_ve.shape[0], _TARGET_CHUNK_LOGITS_BYTES // (2 if softcap else 1))
     elif chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1 or None (automatic), got {chunk_rows}.")
-    return ChunkedCrossEntropy.apply(hidden_te, weight_ve, bias_v, labels_t.long(), int(chunk_rows), softcap)
+    return ChunkedCrossEntropy.apply(hidden_te, weight_ve, bias_v, labels_t.long(), int(chunk_rows), softcap,
+                                     fused_rows)
 
 
 @torch.no_grad()
@@ -305,10 +309,11 @@ class ChunkedLossHead(nn.Module):
     embeddings stay tied and ZeRO-3 gathers the weight once in this module's forward
     pre-hook (and once before its backward), not once per chunk. softcap: the model's final logit
     soft-capping, which the loss applies (the logits without labels stay the head's own: the
-    model's forward caps them).
+    model's forward caps them). fused_rows: the loss's softmax as ce_rows.py's kernel (chunked_cross_entropy).
     """
 
-    def __init__(self, lm_head: nn.Linear, chunk_rows: int | None = None, softcap: float | None = None):
+    def __init__(self, lm_head: nn.Linear, chunk_rows: int | None = None, softcap: float | None = None,
+                 fused_rows: bool | None = None):
         super().__init__()
         if not isinstance(lm_head, nn.Linear):
             raise ValueError(
@@ -321,6 +326,7 @@ class ChunkedLossHead(nn.Module):
         self.bias = lm_head.bias
         self.chunk_rows = chunk_rows
         self.softcap = softcap
+        self.fused_rows = fused_rows
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, documents=None,
                 per_token: bool = False):
@@ -340,10 +346,10 @@ class ChunkedLossHead(nn.Module):
                                         self.bias, self.chunk_rows, self.softcap)
         if documents is not None:
             return documents.log_probs(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias,
-                                       labels.reshape(-1), self.chunk_rows, self.softcap)
+                                       labels.reshape(-1), self.chunk_rows, self.softcap, self.fused_rows)
         return chunked_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]), self.weight, labels.reshape(-1), self.bias, self.chunk_rows,
-            self.softcap,
+            self.softcap, self.fused_rows,
         )
 
     def extra_repr(self) -> str:
@@ -358,12 +364,14 @@ def final_logit_softcap(config) -> float | None:
     return getattr(cfg, "final_logit_softcapping", None) or None
 
 
-def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None) -> Handle:
-    """Replace the model's output embeddings by a ChunkedLossHead; the Handle's undo() puts the old head back."""
+def install_chunked_loss_head(model: nn.Module, chunk_rows: int | None = None,
+                              fused_rows: bool | None = None) -> Handle:
+    """Replace the model's output embeddings by a ChunkedLossHead (its chunk_rows and fused_rows); the Handle's undo()
+    puts the old head back."""
     old_head = model.get_output_embeddings()
     if isinstance(old_head, ChunkedLossHead):
         raise ValueError("the model already has a ChunkedLossHead; call the undo returned by the first install.")
-    new_head = ChunkedLossHead(old_head, chunk_rows, final_logit_softcap(model.config))
+    new_head = ChunkedLossHead(old_head, chunk_rows, final_logit_softcap(model.config), fused_rows)
     model.set_output_embeddings(new_head)
 
     def undo():

@@ -69,12 +69,13 @@ class DocumentRows:
         return torch.cat([torch.full((b - a,), min(d, self.n_documents), dtype=torch.long) for d, a, b in self.runs]
                          ).to(device)
 
-    def log_probs(self, hidden_te, weight_ve, bias_v, labels_t, chunk_rows=None, softcap=None) -> torch.Tensor:
+    def log_probs(self, hidden_te, weight_ve, bias_v, labels_t, chunk_rows=None, softcap=None,
+                  fused_rows=None) -> torch.Tensor:
         """[n_documents] summed log-probabilities of each document's labels on this rank, through the chunked head."""
         if chunk_rows is None:
             chunk_rows = auto_chunk_rows(weight_ve.shape[0], (1 << 30) // (2 if softcap else 1))
         return ChunkedDocumentLogProbs.apply(hidden_te, weight_ve, bias_v, labels_t.long(), self, int(chunk_rows),
-                                             softcap)
+                                             softcap, fused_rows)
 
     def log_probs_from_logits(self, logits_tv: torch.Tensor, labels_t: torch.Tensor) -> torch.Tensor:
         """The same sums from full logits (the path without the chunked head)."""
@@ -94,7 +95,8 @@ class ChunkedDocumentLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_te, weight_ve, bias_v, labels_t, documents: DocumentRows, chunk_rows, softcap=None):
+    def forward(ctx, hidden_te, weight_ve, bias_v, labels_t, documents: DocumentRows, chunk_rows, softcap=None,
+                fused_rows=None):
         t, e = hidden_te.shape
         v = weight_ve.shape[0]
         acc_dtype = torch.promote_types(hidden_te.dtype, torch.float32)
@@ -118,7 +120,7 @@ class ChunkedDocumentLogProbs(torch.autograd.Function):
                 logps_d[d] -= chunk_step(
                     hidden_te[start:end], weight_ve, bias_v, safe_labels_t[start:end], valid_t[start:end], softcap,
                     acc_dtype, None if grad_hidden_te is None else grad_hidden_te[start:end], weight_acc.get(d),
-                    bias_acc.get(d))
+                    bias_acc.get(d), fused_rows)
         ctx.documents = documents
         ctx.saved = (grad_hidden_te, weight_acc, bias_acc)
         ctx.dtypes = (weight_ve.dtype, None if bias_v is None else bias_v.dtype)
@@ -141,7 +143,7 @@ class ChunkedDocumentLogProbs(torch.autograd.Function):
             grad_weight = sum(acc.mul_(scale_d[d]) for d, acc in weight_acc.items()).to(ctx.dtypes[0])
         if bias_acc:
             grad_bias = sum(acc.mul_(scale_d[d]) for d, acc in bias_acc.items()).to(ctx.dtypes[1])
-        return grad_hidden_te, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden_te, grad_weight, grad_bias, None, None, None, None, None
 
 
 @dataclass
