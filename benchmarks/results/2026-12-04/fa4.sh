@@ -23,6 +23,11 @@
 #   step's FA4 backward is slower than alone (bench_fa4_gap.py), then the 4B step both ways: call 1 as above, then
 #           CALL_S=580 SUITE=fa4one CHECK_TESTS="tests/test_head_groups.py tests/test_query_head_groups.py
 #           tests/test_fa4.py" bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,gap,steps
+#   the next session (issue 43): the fused CE rows' CUDA test, then the fa4next suite over two calls on one machine:
+#           CALL_S=580 SUITE=fa4next ONLY="ours-plan-4B@128k-fa4 ours-plan-4B@128k-fa4-ce-rows
+#           ours-plan-4B@128k-fa4-ce-rows-bwd80" CHECK_TESTS="tests/test_chunked_loss.py tests/test_swiglu.py -k cuda"
+#           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,steps
+#   then, on the same warm machine: python3 benchmarks/bench_step.py --suite fa4next --only alst-4B@128k ... (the rest)
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
 OUT=$1; STAGES=${2:-smoke,tests,bench}
@@ -103,6 +108,6 @@ timeout $LEFT python3 benchmarks/bench_fa4.py --out $OUT --budget-s $(( LEFT - 7
   | tee $OUT/bench.log | tail -20
 fi
 if [[ $STAGES == *steps* ]]; then
-timeout $LEFT python3 benchmarks/bench_step.py --suite ${SUITE:-fa4} --out $OUT --budget-s $(( LEFT - 10 )) 2>&1 | grep -v Warning \
+timeout $LEFT python3 benchmarks/bench_step.py --suite ${SUITE:-fa4} ${ONLY:+--only $ONLY} --out $OUT --budget-s $(( LEFT - 10 )) 2>&1 | grep -v Warning \
   | tail -8
 fi
