@@ -285,8 +285,9 @@ def _profiled(name: str) -> bool:
 def profile_step(step, batch, dev, path: Path) -> dict:
     """BENCH_PROFILE=1: one more step at the same length under torch.profiler (CUDA activity), after the timed one,
     so the timed step stays clean. Writes `path`: the GPU's time by kind of kernel (attention fwd / bwd, gemm, copy,
-    other) and by the lever or autograd node that launched it (_owner), its idle time within the step and what the
-    host did meanwhile (_idle_by_owner), and the 40 kernels of most time; returns the kinds' seconds for the record."""
+    other) and by the lever or autograd node that launched it (_owner), the GPU's idle time between the step's first
+    and last kernel and what the host did meanwhile (_idle_by_owner), and the 40 kernels of most time; returns the
+    kinds' seconds for the record."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -304,6 +305,12 @@ def profile_step(step, batch, dev, path: Path) -> dict:
         else:
             merged.append((a, b))
     busy = sum(b - a for a, b in merged)
+    # The wall also holds the profiler's own start and stop (CUPTI, then reading tens of thousands of events back),
+    # before the first kernel and after the last: the GPU's idle time is the gaps between them. Until 2026-12-06 this
+    # file said `wall - busy` was idle: 0.87 s on 2026-12-05, where the gaps were a few ms and the timed step (37.08 s)
+    # matched the busy time (37.02 s).
+    span = (merged[-1][1] - merged[0][0]) if merged else 0.0
+    gaps = span - busy
     rows = [(e.self_device_time_total / 1e6, e.count, e.key) for e in prof.key_averages()
             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     rows.sort(reverse=True)
@@ -317,11 +324,12 @@ def profile_step(step, batch, dev, path: Path) -> dict:
             owner = _owner(e)
             owners[owner] = owners.get(owner, 0.0) + e.self_device_time_total / 1e6
     idle = _idle_by_owner(cpu, merged)
-    out = dict(wall_s=wall, gpu_busy_s=busy / 1e6, gpu_idle_s=wall - busy / 1e6, kinds_s=kinds,
+    out = dict(wall_s=wall, gpu_busy_s=busy / 1e6, gpu_idle_s=gaps / 1e6, profiler_s=wall - span / 1e6, kinds_s=kinds,
                owners_s=dict(sorted(owners.items(), key=lambda kv: -kv[1])[:30]),
                idle_s=dict(sorted(idle.items(), key=lambda kv: -kv[1])[:20]))
-    lines = [f"profiled step: {wall:.2f} s wall, GPU busy {busy / 1e6:.2f} s (union of kernels), "
-             f"idle {wall - busy / 1e6:.2f} s", "", "kind                 GPU s"]
+    lines = [f"profiled step: {wall:.2f} s wall, GPU busy {busy / 1e6:.2f} s (union of kernels), idle between them "
+             f"{gaps / 1e6:.3f} s; the profiler's start and stop {wall - span / 1e6:.2f} s", "",
+             "kind                 GPU s"]
     lines += [f"{k:20} {v:7.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
     lines += ["", "   GPU s  launched inside (top 30)"]
     lines += [f"{v:8.3f}  {k}" for k, v in out["owners_s"].items()]
