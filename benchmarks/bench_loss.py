@@ -105,6 +105,7 @@ def main():
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--rows", type=int, nargs="*", default=[],
                    help="also time ours with these chunk row counts (a chunk-size sweep)")
+    p.add_argument("--variants", nargs="*", default=None, help="time only these (default: all)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32")
     p.add_argument("--out", default=os.environ.get("OUT", "loss_out"))
     args = p.parse_args()
@@ -115,6 +116,11 @@ def main():
     variants = {"ours": ours(), "ours-fused": ours(fused=True), "ours-256": ours(256), "trl-style": trl_style,
                 "full": full}
     variants.update({f"ours-{r}": ours(r) for r in args.rows})
+    if args.variants:
+        unknown = sorted(set(args.variants) - set(variants))
+        if unknown:
+            p.error(f"unknown variants {unknown}; known: {sorted(variants)}")
+        variants = {name: variants[name] for name in args.variants}
     from ulysses_lc.levers.chunked_loss import auto_chunk_rows
 
     print(f"automatic chunk: {auto_chunk_rows(args.vocab)} rows at vocab {args.vocab}", flush=True)

@@ -74,6 +74,10 @@ def setup_ours(model, layout, doc=None, **levers):
         from ulysses_lc.levers import rmsnorm
 
         rmsnorm.FUSED_CUDA = False
+    if levers.pop("triton_rmsnorm", False):  # the norms' rows on rmsnorm_rows.py's Triton kernels (TRITON_ROWS)
+        from ulysses_lc.levers import rmsnorm_rows
+
+        rmsnorm_rows.TRITON_ROWS = True
     wrapper = SequenceParallelCausalLM(model, layout, plan=MemoryPlan(*plan) if plan else None, **levers)
 
     def batch_fn(ids):
@@ -597,21 +601,23 @@ SUITES = {
         _v("alst-4B@128k", "alst", 128 * K, 160, shape="qwen3-4b", warmup="steady"),
     ],
     # issue 43, the next device session's plan: the default (fused SwiGLU and RoPE since 2026-12-06) against the loss
-    # head's fused rows (SequenceParallelCausalLM's fused_ce_rows) and those with FA4's 80 x 128 backward tile (36.31
-    # against 36.69 s on the 4B shape, 2026-12-06, unmeasured on the 0.6B's head group), each shape beside its ALST on
-    # the same machine (`--only` splits it over calls: the three 4B ours, then ALST-4B and the 0.6B ones).
+    # head's fused rows (SequenceParallelCausalLM's fused_ce_rows) with the norms on rmsnorm_rows.py's kernels, and
+    # those with FA4's 80 x 128 backward tile (36.31 against 36.69 s on the 4B shape, 2026-12-06, unmeasured on the
+    # 0.6B's head group), each shape beside its ALST on the same machine (`--only` splits it over calls: the three 4B
+    # ours, then ALST-4B and the 0.6B ones).
     "fa4next": [
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
-        _v("ours-plan-4B@128k-fa4-ce-rows", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
-           levers=dict(kernel="fa4", fused_ce_rows=True)),
-        _v("ours-plan-4B@128k-fa4-ce-rows-bwd80", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
-           levers=dict(kernel="fa4", fused_ce_rows=True), fa4_bwd=dict(tile_m=80, dQ_swapAB=True)),
+        _v("ours-plan-4B@128k-fa4-ce-rows-rms", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True)),
+        _v("ours-plan-4B@128k-fa4-ce-rows-rms-bwd80", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady",
+           plan=True, levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True),
+           fa4_bwd=dict(tile_m=80, dQ_swapAB=True)),
         _v("alst-4B@128k", "alst", 128 * K, 160, shape="qwen3-4b", warmup="steady"),
-        _v("ours-plan@256k-fa4-ce-rows", "ours", 256 * K, 130, warmup="steady", plan=True,
-           levers=dict(kernel="fa4", fused_ce_rows=True)),
-        _v("ours-plan@256k-fa4-ce-rows-bwd80", "ours", 256 * K, 130, warmup="steady", plan=True,
-           levers=dict(kernel="fa4", fused_ce_rows=True), fa4_bwd=dict(tile_m=80, dQ_swapAB=True)),
+        _v("ours-plan@256k-fa4-ce-rows-rms", "ours", 256 * K, 130, warmup="steady", plan=True,
+           levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True)),
+        _v("ours-plan@256k-fa4-ce-rows-rms-bwd80", "ours", 256 * K, 130, warmup="steady", plan=True,
+           levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True), fa4_bwd=dict(tile_m=80, dQ_swapAB=True)),
         _v("alst@256k", "alst", 256 * K, 190, warmup="steady"),
     ],
     # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).

@@ -305,3 +305,138 @@ def test_the_fused_cuda_kernels_match_the_class_and_the_chunks(form, monkeypatch
     gx, gw = torch.autograd.grad(out, (x, norm.weight), g)
     assert torch.equal(out, results[True][0]) and torch.equal(gx, results[True][1])
     assert ((gw.double() - results[True][2].double()).norm() / results[True][2].double().norm()).item() <= 2**-8
+
+
+# ---- rmsnorm_rows.py: a block of rows a program (TRITON_ROWS) ----
+# Triton's interpreter on CPU against torch's fused formula (_reference_fused) in float64: fp32 at 1e-6 relative, bf16
+# within one rounding of its dtype (2^-8; the interpreter narrows fp32 to bf16 toward zero where torch rounds to
+# nearest); the gradients against autograd through that formula, fp32 at 1e-5 and bf16 at 1e-2 relative, as above.
+
+
+def _formula64(x_tw, weight_w, eps):
+    """torch's fused formula in float64: (y, rstd)."""
+    rstd = torch.rsqrt(x_tw.double().pow(2).mean(-1, keepdim=True) + eps)
+    return x_tw.double() * rstd * weight_w.double(), rstd
+
+
+@pytest.mark.parametrize("width,rows", [(128, 70), (300, 9), (16, 1000)])  # 32 rows a program; a padded width; 256
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_the_rows_kernels_compute_torchs_fused_formula(monkeypatch, width, rows, dtype, tol):
+    pytest.importorskip("triton", reason="the rows kernels are Triton's (installed with the test extra)")
+    from ulysses_lc.levers import rmsnorm_rows
+
+    monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", True)
+    monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(rmsnorm_rows, "_BWD_PROGRAMS", 3)  # several row blocks a program, three partial sums
+    eps = 0.5  # large enough beside mean(x^2) = 9 that a kernel without it fails
+    generator = torch.Generator().manual_seed(width)
+    x = (3 * torch.randn(rows, width, generator=generator)).to(dtype)
+    weight = torch.empty(width, dtype=dtype).uniform_(-0.5, 1.5, generator=generator)
+    g = torch.randn(rows, width, generator=generator).to(dtype)
+    y, rstd = rmsnorm_rows.forward(x, weight, eps)
+    want_y, want_rstd = _formula64(x, weight, eps)
+    assert rstd.shape == (rows, 1) and rstd.dtype == torch.float32
+    torch.testing.assert_close(rstd.double(), want_rstd, rtol=1e-6, atol=0)
+    rel = ((y.double() - want_y).abs() / want_y.abs().clamp_min(1e-30)).max().item()
+    assert rel <= (1e-6 if dtype == torch.float32 else 2**-7), rel
+    x_r, w_r = x.double().requires_grad_(), weight.double().requires_grad_()
+    want = torch.autograd.grad(_formula64(x_r, w_r, eps)[0], (x_r, w_r), g.double())
+    got = rmsnorm_rows.backward(g, x, rstd, weight, True, True)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and ((a.double() - b).norm() / b.norm()).item() <= tol
+    only_weight, only_x = rmsnorm_rows.backward(g, x, rstd, weight, False, True), \
+        rmsnorm_rows.backward(g, x, rstd, weight, True, False)
+    assert only_weight[0] is None and torch.equal(only_weight[1], got[1])
+    assert only_x[1] is None and torch.equal(only_x[0], got[0])
+
+
+def test_the_function_takes_the_rows_kernels_where_torchs_fused_ones_would_be(monkeypatch):
+    # TRITON_ROWS on (the interpreter here): RMSNormFunction saves (x, weight, rstd) and returns the kernels' gradients
+    # in the input's shape for any layout; Gemma's (1 + weight), a weight of another dtype and rows wider than
+    # MAX_WIDTH keep their paths. Off by default, and never on a CPU without the tests' interpreter switch.
+    pytest.importorskip("triton", reason="the rows kernels are Triton's (installed with the test extra)")
+    from ulysses_lc.levers import rmsnorm_rows
+
+    assert rmsnorm_rows.TRITON_ROWS is False and not rmsnorm_rows.takes(torch.ones(2, 4))
+    monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", True)
+    assert not rmsnorm_rows.takes(torch.ones(2, 4))  # CPU without the interpreter: never
+    monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", True)
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(rmsnorm_rows, name)
+        monkeypatch.setattr(rmsnorm_rows, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    torch.manual_seed(3)
+    weight = torch.empty(24, dtype=torch.bfloat16).uniform_(0.5, 1.5).requires_grad_()
+    x = torch.randn(2, 24, 9, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()  # not contiguous
+    g = torch.randn(2, 9, 24, dtype=torch.bfloat16)
+    out = RMSNormFunction.apply(x, weight, 1e-6)
+    saved = out.grad_fn.saved_tensors
+    assert [t.shape for t in saved] == [x.shape, weight.shape, (18, 1)] and saved[2].dtype == torch.float32
+    gx, gw = torch.autograd.grad(out, (x, weight), g)
+    assert calls == ["forward", "backward"] and gx.shape == x.shape and gw.shape == weight.shape
+    x_r, w_r = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = _formula64(x_r.reshape(-1, 24), w_r, 1e-6)[0].view(x.shape)
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-2
+    for a, b in zip((gx, gw), torch.autograd.grad(ref, (x_r, w_r), g.double())):
+        assert ((a.double() - b).norm() / b.norm()).item() <= 1e-2
+    RMSNormFunction.apply(x, weight, 1e-6, None, True).backward(g)  # Gemma's form
+    RMSNormFunction.apply(x, weight.detach().float(), 1e-6).backward(g)  # mixed dtypes
+    monkeypatch.setattr(rmsnorm_rows, "MAX_WIDTH", 16)
+    RMSNormFunction.apply(x, weight, 1e-6).backward(g)
+    assert calls == ["forward", "backward"]
+
+
+def test_whole_model_on_the_rows_kernels(monkeypatch):
+    # Every norm of a Qwen3 in bf16 (layer norms and the per-head q/k norms) on the rows kernels, against the model's own
+    # norms: the loss at 1e-2 and each gradient at 5e-2 relative (bf16 through two layers; the kernels round once where
+    # the class rounds twice).
+    pytest.importorskip("triton", reason="the rows kernels are Triton's (installed with the test extra)")
+    from ulysses_lc.levers import rmsnorm_rows
+
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    plain = build("qwen3").to(torch.bfloat16)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    model = build("qwen3").to(torch.bfloat16)
+    install_efficient_rmsnorm(model)
+    monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", True)
+    monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", True)
+    calls = []
+    real = rmsnorm_rows.forward
+    monkeypatch.setattr(rmsnorm_rows, "forward", lambda *a: calls.append(a[0].shape) or real(*a))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert len(calls) == 2 * 4 + 1
+    torch.testing.assert_close(loss.float(), plain(input_ids=ids, labels=ids).loss.float(), rtol=1e-2, atol=0)
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        err = ((p.grad.double() - q.grad.double()).norm() / q.grad.double().norm()).item()
+        assert err <= 5e-2, (name, err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the rows kernels compiled by Triton)")
+@pytest.mark.parametrize("width", [128, 2560])  # Qwen3's per-head q/k norms; the Qwen3-4B layer norms
+def test_cuda_rows_kernels_match_torchs_fused_ones_and_the_class(width, monkeypatch):
+    # On a GPU: the rows kernels against torch's fused ones (the same formula: one rounding of bf16 apart, 2^-8 relative
+    # per element at most) and both against the class's own forward and autograd at 1e-2 relative, as above.
+    from ulysses_lc.levers import rmsnorm, rmsnorm_rows
+
+    torch.manual_seed(0)
+    norm = Qwen3RMSNorm(width, eps=1e-6).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 1.5)
+    rows = 3 * 8192 + 5
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    ref = norm(x)
+    want = torch.autograd.grad(ref, (x, norm.weight), g)
+    results = {}
+    for triton_rows in (True, False):
+        monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", triton_rows)
+        out = rmsnorm._RMSNORM_FORMS["Qwen3RMSNorm"](norm, x)
+        assert out.grad_fn.saved_tensors[2].shape == (rows, 1)
+        results[triton_rows] = (out, *torch.autograd.grad(out, (x, norm.weight), g))
+        for a, b in zip(results[triton_rows], (ref, *want)):
+            assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-2
+    ours, torchs = results[True][0].double(), results[False][0].double()
+    assert ((ours - torchs).abs() <= 2**-8 * torchs.abs() + 1e-30).all()
+    for a, b in zip(results[True][1:], results[False][1:]):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 2**-8

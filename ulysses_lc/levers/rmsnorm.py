@@ -10,7 +10,8 @@ backward. This Function computes the same forward, bit for bit, and saves only t
 (usually bf16, and often saved by its neighbour anyway) plus one fp32 rstd per row; backward recomputes
 the normalised values from them. On CUDA it runs torch's fused RMSNorm kernels for the Llama and gpt-oss
 forms (FUSED_CUDA): the same saved tensors, one pass each way, the forward within one rounding of the
-input's dtype of transformers' (the weight applied in fp32 before the rounding).
+input's dtype of transformers' (the weight applied in fp32 before the rounding); with rmsnorm_rows.TRITON_ROWS,
+rmsnorm_rows.py's Triton kernels in their place (the same formula, a block of rows a program).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..handle import Handle
+from . import rmsnorm_rows
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,13 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_w, eps, chunk_rows=None, gemma=False, cast_after=False):
         width = x.shape[-1]
-        ctx.fused = _takes_fused(x, weight_w, gemma)
+        # rmsnorm_rows.py's kernels (TRITON_ROWS), where torch's fused ones would be taken: the same formula
+        ctx.rows_kernel = not gemma and weight_w.dtype == x.dtype and rmsnorm_rows.takes(x)
+        ctx.fused = not ctx.rows_kernel and _takes_fused(x, weight_w, gemma)
+        if ctx.rows_kernel:
+            y_tw, rstd = rmsnorm_rows.forward(x.reshape(-1, width).contiguous(), weight_w, eps)
+            ctx.save_for_backward(x, weight_w, rstd)
+            return y_tw.view(x.shape)
         if ctx.fused:  # torch's fused kernel on CUDA (FUSED_CUDA): one pass, no temporaries
             x_tw = x.reshape(-1, width).contiguous()
             parts = _fused_parts(x_tw.shape[0], width)
@@ -139,6 +147,12 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight_w, rstd_t1 = ctx.saved_tensors
         width = x.shape[-1]
+        if ctx.rows_kernel:
+            need_x, need_weight = ctx.needs_input_grad[:2]
+            grad_x, grad_weight = rmsnorm_rows.backward(grad_y.reshape(-1, width).contiguous(),
+                                                        x.reshape(-1, width).contiguous(), rstd_t1, weight_w, need_x,
+                                                        need_weight)
+            return (grad_x.view(x.shape) if need_x else None), grad_weight, None, None, None, None
         if ctx.fused:
             need_x, need_weight = ctx.needs_input_grad[:2]
             x_tw, grad_y_tw = x.reshape(-1, width).contiguous(), grad_y.reshape(-1, width).contiguous()

@@ -23,10 +23,11 @@
 #   step's FA4 backward is slower than alone (bench_fa4_gap.py), then the 4B step both ways: call 1 as above, then
 #           CALL_S=580 SUITE=fa4one CHECK_TESTS="tests/test_head_groups.py tests/test_query_head_groups.py
 #           tests/test_fa4.py" bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,gap,steps
-#   the next session (issue 43): the fused CE rows' CUDA test, then the fa4next suite over two calls on one machine:
-#           CALL_S=580 SUITE=fa4next ONLY="ours-plan-4B@128k-fa4 ours-plan-4B@128k-fa4-ce-rows
-#           ours-plan-4B@128k-fa4-ce-rows-bwd80" CHECK_TESTS="tests/test_chunked_loss.py tests/test_swiglu.py -k cuda"
-#           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,steps
+#   the next session (issue 43): the CUDA tests of the fused CE rows and the RMSNorm rows kernels, their kernel
+#   benchmarks, then the fa4next suite over two calls on one machine:
+#           CALL_S=580 SUITE=fa4next ONLY="ours-plan-4B@128k-fa4 ours-plan-4B@128k-fa4-ce-rows-rms
+#           ours-plan-4B@128k-fa4-ce-rows-rms-bwd80" CHECK_TESTS="tests/test_chunked_loss.py tests/test_rmsnorm.py
+#           tests/test_swiglu.py -k cuda" bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,kernels,steps
 #   then, on the same warm machine: python3 benchmarks/bench_step.py --suite fa4next --only alst-4B@128k ... (the rest)
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
@@ -66,6 +67,11 @@ fi
 if [[ $STAGES == *checks* ]]; then  # the CUDA tests of kernels that changed since a GPU last ran them
 timeout 240 python3 -m pytest -q -rs ${CHECK_TESTS:-tests/test_rope.py tests/test_rmsnorm.py tests/test_fa4.py \
   tests/test_offload.py tests/test_kept_attention.py -k "cuda or 256"} 2>&1 | tee $OUT/checks.log | tail -6
+fi
+if [[ $STAGES == *kernels* ]]; then  # the levers' Triton kernels alone: RMSNorm's rows, the loss head's fused rows
+timeout 150 python3 benchmarks/bench_rmsnorm.py --out $OUT 2>&1 | grep -v Warning | tee $OUT/rmsnorm.log | tail -12
+timeout 120 python3 benchmarks/bench_loss.py --tokens 131072 --hidden 2560 --variants ours ours-fused --out $OUT 2>&1 \
+  | grep -v Warning | tee $OUT/loss.log | tail -6
 fi
 if [[ $STAGES == *gap* ]]; then  # FA4's backward in the step against alone; the forward in one call (bench_fa4_gap.py)
 timeout 240 python3 benchmarks/bench_fa4_gap.py --out $OUT --sustain-s ${SUSTAIN_S:-20} 2>&1 | grep -v -E "Warning|exe_args" \
