@@ -512,3 +512,39 @@ def test_cuda_fused_rows_equal_the_eager_chunk(monkeypatch):
     for name, got, want in zip(("hidden", "weight"), fused[1:], eager[1:]):
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         assert err <= 2**-8, (name, err)
+
+
+# ---- the weight gradient's fp32 accumulation (fp32_accumulate.py) ----
+
+
+def test_add_product_is_the_eager_sum_off_cuda():
+    from ulysses_lc.levers.fp32_accumulate import add_product_, takes_fp32_gemm
+
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(6, 5, generator=g).to(torch.bfloat16), torch.randn(5, 7, generator=g).to(torch.bfloat16)
+    acc = torch.randn(6, 7, generator=g)
+    want = acc + (a @ b).float()
+    assert not takes_fp32_gemm(acc, a, b)  # the CPU: the eager form
+    assert add_product_(acc, a, b) is acc and torch.equal(acc, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS with an fp32 output)")
+def test_cuda_weight_gradient_accumulates_in_fp32_inside_the_gemm(monkeypatch):
+    # The head's weight gradient over many chunks (bf16 inputs, Qwen3's vocabulary) against float64: the GEMM into the
+    # fp32 accumulator is at least as close as the eager path, which rounds each chunk's product to bf16 first.
+    from ulysses_lc.levers import fp32_accumulate
+
+    g = torch.Generator().manual_seed(9)
+    t, e, v = 4096, 128, 151936
+    hidden = torch.randn(t, e, generator=g).to(torch.bfloat16).cuda()
+    weight = (0.1 * torch.randn(v, e, generator=g)).to(torch.bfloat16).cuda()
+    labels = torch.randint(0, v, (t,), generator=g).cuda()
+    assert fp32_accumulate.takes_fp32_gemm(torch.zeros(1, 1, device="cuda"), hidden, hidden)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    F.cross_entropy(F.linear(h64, w64), labels, reduction="sum").backward()
+    errors = {}
+    for fp32_gemm in (True, False):
+        monkeypatch.setattr(fp32_accumulate, "_fp32_out_gemm", lambda fp32_gemm=fp32_gemm: fp32_gemm)
+        grads = _loss_and_grads(hidden, weight, labels, chunk_rows=256)
+        errors[fp32_gemm] = ((grads[2].double() - w64.grad).norm() / w64.grad.norm()).item()
+    assert errors[True] <= errors[False] * 1.01 and errors[True] <= 2**-8, errors

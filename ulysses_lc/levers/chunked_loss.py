@@ -62,6 +62,7 @@ from ..constants import IGNORE_INDEX
 from ..handle import Handle
 from ..parallel.sharding import check_labels_in_vocab
 from . import ce_rows
+from .fp32_accumulate import add_product_
 
 # fp32 logits bytes per chunk. 1 GiB is ~1.7k rows at v=152k: large enough that each matmul
 # fills an H100/H200 (TRL's 256 rows leave it underused at this vocabulary), small enough that
@@ -161,8 +162,8 @@ def _chunk_backward(dlogits_lowp_cv, hidden_ce, weight_ve, grad_hidden_ce, grad_
         grad_bias_v += dlogits_lowp_cv.sum(0, dtype=grad_bias_v.dtype)
     if grad_hidden_ce is not None:
         torch.mm(dlogits_lowp_cv, weight_ve, out=grad_hidden_ce)
-    if grad_weight_ve is not None:
-        grad_weight_ve += (dlogits_lowp_cv.t() @ hidden_ce).to(grad_weight_ve.dtype)
+    if grad_weight_ve is not None:  # into the fp32 accumulator inside the GEMM on CUDA (fp32_accumulate.py)
+        add_product_(grad_weight_ve, dlogits_lowp_cv.t(), hidden_ce)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
