@@ -70,7 +70,8 @@ def main() -> int:
             res[f"{shape} {norm}"] = row
             t, r = row["torch"], row["rows"]
             lines.append(f"{shape:16s} {norm:21s} torch fwd {t['fwd_ms']:7.3f} ms ({t['fwd_gbs']:5.0f} GB/s) fwd+bwd "
-                         f"{t['fwd_bwd_ms']:7.3f} | rows {r['fwd_ms']:7.3f} ({r['fwd_gbs']:5.0f}) / {r['fwd_bwd_ms']:7.3f}")
+                         f"{t['fwd_bwd_ms']:7.3f} | rows {r['fwd_ms']:7.3f} ({r['fwd_gbs']:5.0f}) / "
+                         f"{r['fwd_bwd_ms']:7.3f}")
         res[f"{shape} step share s"] = share
         lines.append(f"{shape:16s} the step's norms: torch {share['torch']:.3f} s -> rows {share['rows']:.3f} s")
     sweep = {}

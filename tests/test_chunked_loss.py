@@ -528,6 +528,29 @@ def test_add_product_is_the_eager_sum_off_cuda():
     assert add_product_(acc, a, b) is acc and torch.equal(acc, want)
 
 
+def test_the_fp32_gemm_is_taken_only_where_this_torch_computes_it_right(monkeypatch):
+    # The one-time probe, its GEMM replaced on the CPU: an addmm that refuses an fp32 input (some torch releases), one
+    # that computes the sum, one that overwrites the accumulator instead of adding to it.
+    from ulysses_lc.levers import fp32_accumulate
+
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda *a: True)
+
+    def refuses(acc, a, b, out_dtype, out):
+        raise RuntimeError("self and mat2 must have the same dtype, but got Float and BFloat16")
+
+    def adds(acc, a, b, out_dtype, out):
+        return out.copy_(acc + (a.float() @ b.float()))
+
+    def overwrites(acc, a, b, out_dtype, out):
+        return out.copy_(a.float() @ b.float())
+
+    results = {}
+    for name, addmm in (("refuses", refuses), ("adds", adds), ("overwrites", overwrites)):
+        monkeypatch.setattr(torch, "addmm", addmm)
+        results[name] = fp32_accumulate._fp32_out_gemm_works.__wrapped__(torch.device("cpu"), torch.bfloat16)
+    assert results == {"refuses": False, "adds": True, "overwrites": False}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuBLAS with an fp32 output)")
 def test_cuda_weight_gradient_accumulates_in_fp32_inside_the_gemm(monkeypatch):
     # The head's weight gradient over many chunks (bf16 inputs, Qwen3's vocabulary) against float64: the GEMM into the
@@ -539,12 +562,14 @@ def test_cuda_weight_gradient_accumulates_in_fp32_inside_the_gemm(monkeypatch):
     hidden = torch.randn(t, e, generator=g).to(torch.bfloat16).cuda()
     weight = (0.1 * torch.randn(v, e, generator=g)).to(torch.bfloat16).cuda()
     labels = torch.randint(0, v, (t,), generator=g).cuda()
-    assert fp32_accumulate.takes_fp32_gemm(torch.zeros(1, 1, device="cuda"), hidden, hidden)
+    taken = fp32_accumulate.takes_fp32_gemm(torch.zeros(1, 1, device="cuda"), hidden, hidden)
+    print(f"this torch ({torch.__version__}) adds into the fp32 sum inside the GEMM: {taken}")
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     F.cross_entropy(F.linear(h64, w64), labels, reduction="sum").backward()
     errors = {}
     for fp32_gemm in (True, False):
-        monkeypatch.setattr(fp32_accumulate, "_fp32_out_gemm", lambda fp32_gemm=fp32_gemm: fp32_gemm)
+        monkeypatch.setattr(fp32_accumulate, "_fp32_out_gemm_works",
+                            lambda *a, fp32_gemm=fp32_gemm: fp32_gemm and taken)
         grads = _loss_and_grads(hidden, weight, labels, chunk_rows=256)
         errors[fp32_gemm] = ((grads[2].double() - w64.grad).norm() / w64.grad.norm()).item()
     assert errors[True] <= errors[False] * 1.01 and errors[True] <= 2**-8, errors

@@ -387,9 +387,9 @@ def test_the_function_takes_the_rows_kernels_where_torchs_fused_ones_would_be(mo
 
 
 def test_whole_model_on_the_rows_kernels(monkeypatch):
-    # Every norm of a Qwen3 in bf16 (layer norms and the per-head q/k norms) on the rows kernels, against the model's own
-    # norms: the loss at 1e-2 and each gradient at 5e-2 relative (bf16 through two layers; the kernels round once where
-    # the class rounds twice).
+    # Every norm of a Qwen3 in bf16 (layer norms and the per-head q/k norms) on the rows kernels, against the model's
+    # own norms: the loss at 1e-2 and each gradient at 5e-2 relative (bf16 through two layers; the kernels round once
+    # where the class rounds twice).
     pytest.importorskip("triton", reason="the rows kernels are Triton's (installed with the test extra)")
     from ulysses_lc.levers import rmsnorm_rows
 

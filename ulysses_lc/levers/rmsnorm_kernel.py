@@ -21,7 +21,7 @@ def _rms_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, width, eps, BLOCK_R: tl.conste
     at = r[:, None] * width + c[None, :]
     inside = in_rows[:, None] & in_cols[None, :]
     x = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
-    # tl.reduce with tl.sum's own combine function: Triton's interpreter (the tests) cannot call tl.sum (a jit function).
+    # tl.reduce with tl.sum's combine function: Triton's interpreter (the tests) cannot call tl.sum (a jit function).
     rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, tl.standard._sum_combine) / width + eps)
     weight = tl.load(w_ptr + c, mask=in_cols, other=0.0).to(tl.float32)
     y = x * rstd[:, None] * weight[None, :]

@@ -73,7 +73,7 @@ def forward(x_tw: torch.Tensor, weight_w: torch.Tensor, eps: float) -> tuple[tor
 
 
 def backward(grad_y_tw, x_tw, rstd_t1, weight_w, need_x: bool, need_weight: bool):
-    """(grad x [t, w] or None, grad weight [w] in its dtype or None) of `forward`, from contiguous grad_y_tw and x_tw."""
+    """(grad x [t, w] or None, grad weight [w] in its dtype or None) of `forward`, from contiguous grad_y_tw, x_tw."""
     rows, width = x_tw.shape
     grad_x = torch.empty_like(x_tw) if need_x else None
     if not rows:
