@@ -318,6 +318,10 @@ def test_cuda_forward_backward_without_sync():
     weight = weight_vh.cuda().requires_grad_()
     bias = bias_v.cuda().requires_grad_()
     labels = labels_t.cuda()
+    from ulysses_lc.levers.fp32_accumulate import takes_fp32_gemm
+
+    half = [x.detach().to(torch.bfloat16).requires_grad_() for x in (hidden, weight, bias)]
+    takes_fp32_gemm(torch.zeros(1, device="cuda"), half[0], half[0])  # the one-time probe (a sync), as a first step runs it
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -325,6 +329,7 @@ def test_cuda_forward_backward_without_sync():
         loss_sum.backward()
         with torch.no_grad():
             chunked_cross_entropy(hidden, weight, labels, bias, chunk_rows=64)
+        chunked_cross_entropy(*half[:2], labels, half[2], chunk_rows=64)[0].backward()  # bf16: the fp32 GEMM's path
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert n_valid.device.type == "cuda" and int(n_valid) == int((labels_t != IGNORE_INDEX).sum())

@@ -169,7 +169,8 @@ def _chunk_backward(dlogits_lowp_cv, hidden_ce, weight_ve, grad_hidden_ce, grad_
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `hidden_te @ weight_ve.T (+ bias_v)` against `labels_t`.
 
-    Forward communicates nothing and, with labels on a GPU, never synchronizes with the host.
+    Forward communicates nothing and, with labels on a GPU, never synchronizes with the host (but at the first call
+    on a device with bf16 / fp16 inputs, once: fp32_accumulate.py's probe).
     It returns (loss_sum scalar in fp32, fp64 for fp64 inputs; n_valid int64 scalar on the
     device, non-differentiable) and computes the gradients on the spot. Labels outside
     [0, v) other than IGNORE_INDEX raise ValueError on CPU and trip a device-side assert
