@@ -321,7 +321,8 @@ def test_cuda_forward_backward_without_sync():
     from ulysses_lc.levers.fp32_accumulate import takes_fp32_gemm
 
     half = [x.detach().to(torch.bfloat16).requires_grad_() for x in (hidden, weight, bias)]
-    takes_fp32_gemm(torch.zeros(1, device="cuda"), half[0], half[0])  # the one-time probe (a sync), as a first step runs it
+    # The fp32 GEMM's one-time probe (a sync), as a run's first step makes it.
+    takes_fp32_gemm(torch.zeros(1, device="cuda"), half[0], half[0])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
