@@ -381,6 +381,8 @@ def test_the_function_takes_the_rows_kernels_where_torchs_fused_ones_would_be(mo
         assert ((a.double() - b).norm() / b.norm()).item() <= 1e-2
     RMSNormFunction.apply(x, weight, 1e-6, None, True).backward(g)  # Gemma's form
     RMSNormFunction.apply(x, weight.detach().float(), 1e-6).backward(g)  # mixed dtypes
+    strided = torch.empty(48, dtype=torch.bfloat16).uniform_(0.5, 1.5)[::2].requires_grad_()
+    RMSNormFunction.apply(x, strided, 1e-6).backward(g)  # a weight view with a stride: the kernel reads it as stride 1
     monkeypatch.setattr(rmsnorm_rows, "MAX_WIDTH", 16)
     RMSNormFunction.apply(x, weight, 1e-6).backward(g)
     assert calls == ["forward", "backward"]
@@ -432,7 +434,7 @@ def test_cuda_rows_kernels_match_torchs_fused_ones_and_the_class(width, monkeypa
     for triton_rows in (True, False):
         monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", triton_rows)
         out = rmsnorm._RMSNORM_FORMS["Qwen3RMSNorm"](norm, x)
-        assert out.grad_fn.saved_tensors[2].shape == (rows, 1)
+        assert out.grad_fn.rows_kernel is triton_rows and out.grad_fn.saved_tensors[2].shape == (rows, 1)
         results[triton_rows] = (out, *torch.autograd.grad(out, (x, norm.weight), g))
         for a, b in zip(results[triton_rows], (ref, *want)):
             assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-2

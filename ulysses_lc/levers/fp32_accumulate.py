@@ -24,17 +24,17 @@ _HALF = (torch.bfloat16, torch.float16)
 def _fp32_out_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch's addmm with out_dtype adds a product of `dtype` factors (the first one transposed, as the
     loss head's) into an fp32 accumulator given as both input and output, on `device`: tried once, against float64."""
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA"):
-        return False
     generator = torch.Generator().manual_seed(0)
     a, b, acc = (torch.randn(shape, generator=generator) for shape in ((32, 16), (32, 8), (16, 8)))
-    a, b, acc = a.to(device, dtype), b.to(device, dtype), acc.to(device)
-    want = acc.double().cpu() + a.double().t().cpu() @ b.double().cpu()  # the factors as rounded to dtype
-    try:
+    try:  # a torch without the overload raises at the dispatch check itself
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA"):
+            return False
+        a, b, acc = a.to(device, dtype), b.to(device, dtype), acc.to(device)
+        want = acc.double().cpu() + a.double().t().cpu() @ b.double().cpu()  # the factors as rounded to dtype
         torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+        return bool(((acc.double().cpu() - want).abs() <= 1e-4 * (1 + want.abs())).all())
     except (RuntimeError, TypeError):
         return False
-    return bool(((acc.double().cpu() - want).abs() <= 1e-4 * (1 + want.abs())).all())
 
 
 def takes_fp32_gemm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -100,7 +100,8 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight_w, eps, chunk_rows=None, gemma=False, cast_after=False):
         width = x.shape[-1]
         # rmsnorm_rows.py's kernels (TRITON_ROWS), where torch's fused ones would be taken: the same formula
-        ctx.rows_kernel = not gemma and weight_w.dtype == x.dtype and rmsnorm_rows.takes(x)
+        ctx.rows_kernel = (not gemma and weight_w.dtype == x.dtype and weight_w.is_contiguous()
+                           and rmsnorm_rows.takes(x))
         ctx.fused = not ctx.rows_kernel and _takes_fused(x, weight_w, gemma)
         if ctx.rows_kernel:
             y_tw, rstd = rmsnorm_rows.forward(x.reshape(-1, width).contiguous(), weight_w, eps)
