@@ -5,7 +5,8 @@ it: the forward alone and the forward with its backward, median of 10 after a wa
 card's rate (forward: x read, y written; backward: x and dy read, dx written); and the whole step's share: a forward
 for every layer and again for each checkpointed layer's recompute, a backward for every layer (the plans of
 BENCHMARKS.md: 21 of 36 layers checkpointed on the Qwen3-4B shape at 128k, 10 of 28 on Qwen3-0.6B at 256k). Then the
-rows kernels' block size (elements a program: rmsnorm_rows._ELEMENTS) swept on the per-head q norm.
+rows kernels' block size (elements a program: rmsnorm_rows._ELEMENTS and _BWD_ELEMENTS, alike) swept on the per-head
+q norm.
 
     python benchmarks/bench_rmsnorm.py --out $OUT
 
@@ -76,14 +77,14 @@ def main() -> int:
         lines.append(f"{shape:16s} the step's norms: torch {share['torch']:.3f} s -> rows {share['rows']:.3f} s")
     sweep = {}
     rows, width = SHAPES["qwen3-4b@128k"][2]["q (32 heads)"]
-    default = rmsnorm_rows._ELEMENTS
-    for elements in (1024, 2048, 4096, 8192, 16384):
-        rmsnorm_rows._ELEMENTS = elements
+    default = rmsnorm_rows._ELEMENTS, rmsnorm_rows._BWD_ELEMENTS
+    for elements in (1024, 2048, 4096, 8192, 16384):  # forward and backward alike
+        rmsnorm_rows._ELEMENTS = rmsnorm_rows._BWD_ELEMENTS = elements
         fwd, both = _time(rows, width, True)
         sweep[elements] = dict(fwd_ms=1e3 * fwd, fwd_bwd_ms=1e3 * both)
         lines.append(f"q norm, 4B@128k, {elements:6d} elements a program: fwd {1e3 * fwd:7.3f} ms, fwd+bwd "
                      f"{1e3 * both:7.3f} ms")
-    rmsnorm_rows._ELEMENTS = default
+    rmsnorm_rows._ELEMENTS, rmsnorm_rows._BWD_ELEMENTS = default
     res["sweep_q_norm_4b"] = sweep
     (args.out / "rmsnorm.json").write_text(json.dumps(res, indent=1))
     print(f"\n{res['device']}; one norm call, bf16, median of 10")

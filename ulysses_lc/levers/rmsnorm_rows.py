@@ -27,7 +27,10 @@ from .triton_support import kernel_runs_on, launch_device
 TRITON_ROWS = False
 INTERPRET_ON_CPU = False
 MAX_WIDTH = 16384
-_ELEMENTS = 4096  # elements of one program's block of rows (at least one whole row)
+_ELEMENTS = 4096  # elements of one program's block of rows (at least one whole row), forward
+# Backward: half, as its block holds five [r, W] fp32 values a thread (x, dy, x_hat, g and the weight's sum); at 4,096
+# it compiled to 239 registers a thread on sm_90 (Triton 3.9), two blocks an SM.
+_BWD_ELEMENTS = 2048
 _BWD_PROGRAMS = 1024  # at most this many partial sums of the weight's gradient, added at the end
 
 
@@ -39,10 +42,11 @@ def takes(x: torch.Tensor) -> bool:
     return kernel_runs_on(x.device, INTERPRET_ON_CPU)
 
 
-def blocks(width: int) -> tuple[int, int, int]:
-    """(rows a program, the width padded to a power of two, warps) for rows of `width`."""
+def blocks(width: int, elements: int | None = None) -> tuple[int, int, int]:
+    """(rows a program, the width padded to a power of two, warps) for rows of `width`, about `elements` (default
+    _ELEMENTS) a program."""
     block_w = 1 << max(0, width - 1).bit_length()
-    block_r = max(1, _ELEMENTS // block_w)
+    block_r = max(1, (elements or _ELEMENTS) // block_w)
     return block_r, block_w, min(16, max(4, block_r * block_w // 1024))
 
 
@@ -78,7 +82,7 @@ def backward(grad_y_tw, x_tw, rstd_t1, weight_w, need_x: bool, need_weight: bool
     grad_x = torch.empty_like(x_tw) if need_x else None
     if not rows:
         return grad_x, (torch.zeros_like(weight_w) if need_weight else None)
-    block_r, block_w, warps = blocks(width)
+    block_r, block_w, warps = blocks(width, _BWD_ELEMENTS)
     row_blocks = -(-rows // block_r)
     per_program = -(-row_blocks // min(row_blocks, _BWD_PROGRAMS))
     programs = -(-row_blocks // per_program)
