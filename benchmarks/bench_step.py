@@ -74,6 +74,10 @@ def setup_ours(model, layout, doc=None, **levers):
         from ulysses_lc.levers import rmsnorm
 
         rmsnorm.FUSED_CUDA = False
+    if levers.pop("eager_loss_weight_sum", False):  # the loss head's weight gradient summed as before 2026-12-06
+        from ulysses_lc.levers import fp32_accumulate
+
+        fp32_accumulate._fp32_out_gemm_works = lambda *a: False
     if levers.pop("triton_rmsnorm", False):  # the norms' rows on rmsnorm_rows.py's Triton kernels (TRITON_ROWS)
         from ulysses_lc.levers import rmsnorm_rows
 
