@@ -417,8 +417,8 @@ def test_whole_model_on_the_rows_kernels(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the rows kernels compiled by Triton)")
 @pytest.mark.parametrize("width", [128, 2560])  # Qwen3's per-head q/k norms; the Qwen3-4B layer norms
 def test_cuda_rows_kernels_match_torchs_fused_ones_and_the_class(width, monkeypatch):
-    # On a GPU: the rows kernels against torch's fused ones (the same formula: one rounding of bf16 apart, 2^-8 relative
-    # per element at most) and both against the class's own forward and autograd at 1e-2 relative, as above.
+    # On a GPU: the rows kernels against torch's fused ones (the same formula: one rounding of bf16 apart, at most one
+    # bf16 step, 2^-7 of the value; 2^-8 failed on an H100 on 2026-12-07 where fp32 sums in another order round apart) and both against the class's own forward and autograd at 1e-2 relative, as above.
     from ulysses_lc.levers import rmsnorm, rmsnorm_rows
 
     torch.manual_seed(0)
@@ -439,6 +439,6 @@ def test_cuda_rows_kernels_match_torchs_fused_ones_and_the_class(width, monkeypa
         for a, b in zip(results[triton_rows], (ref, *want)):
             assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-2
     ours, torchs = results[True][0].double(), results[False][0].double()
-    assert ((ours - torchs).abs() <= 2**-8 * torchs.abs() + 1e-30).all()
+    assert ((ours - torchs).abs() <= 2**-7 * torchs.abs() + 1e-30).all()
     for a, b in zip(results[True][1:], results[False][1:]):
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 2**-8
