@@ -60,11 +60,11 @@ def ours(rows=None, fused=False):
     from ulysses_lc.levers import ce_rows
 
     def run(hidden, weight, labels):
-        ce_rows.FUSED_ROWS = fused
+        before, ce_rows.FUSED_ROWS = ce_rows.FUSED_ROWS, fused
         try:
             return chunked_cross_entropy(hidden, weight, labels, chunk_rows=rows)[0]
         finally:
-            ce_rows.FUSED_ROWS = False
+            ce_rows.FUSED_ROWS = before
 
     return run
 

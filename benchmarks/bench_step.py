@@ -378,10 +378,10 @@ def run_variant(spec: dict) -> dict:
         for name in ("bwd", "fwd"):  # BwdConfig / FwdConfig fields over FA4's own pick (bench_fa4_tiles.py)
             if spec.get(f"fa4_{name}"):
                 _fa4_override(name, spec[f"fa4_{name}"])
-        if spec.get("fused_ce_rows"):  # the loss head's softmax as one Triton kernel a chunk (levers/ce_rows.py)
-            from ulysses_lc.levers import ce_rows
+        if spec.get("fused_ce_rows") is not None:  # the loss head's softmax as one Triton kernel a chunk
+            from ulysses_lc.levers import ce_rows  # (levers/ce_rows.py; on by default since 2026-12-07)
 
-            ce_rows.FUSED_ROWS = True
+            ce_rows.FUSED_ROWS = bool(spec["fused_ce_rows"])
         if spec.get("forward_groups"):  # the attention forward over the head groups too, as before 2026-12-06
             from ulysses_lc.mixers import explicit_attention
 

@@ -441,8 +441,8 @@ def test_fused_rows_kernel_equals_the_eager_chunk(monkeypatch, block):
     torch.testing.assert_close(loss_sum, eager[0], rtol=1e-6, atol=0)
 
 
-def test_fused_rows_off_by_default_and_never_on_the_cpu_alone():
-    assert ce_rows.FUSED_ROWS is False
+def test_fused_rows_on_by_default_and_never_on_the_cpu_alone():
+    assert ce_rows.FUSED_ROWS is True
     logits = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not ce_rows.takes(logits, None, torch.float32)
 
@@ -459,6 +459,7 @@ def test_a_heads_fused_rows_setting_overrides_the_default_down_to_each_chunk(mon
     calls = []
     rows = ce_rows.fused_rows
     monkeypatch.setattr(ce_rows, "fused_rows", lambda *a: calls.append(a[3]) or rows(*a))
+    monkeypatch.setattr(ce_rows, "FUSED_ROWS", False)
     hidden, weight, labels = _fused_case(9, t=20, v=41)
     eager = chunked_cross_entropy(hidden, weight, labels, chunk_rows=8)[0]
     assert calls == []
@@ -511,6 +512,7 @@ def test_cuda_fused_rows_equal_the_eager_chunk(monkeypatch):
     labels = torch.randint(0, v, (t,), generator=g)
     labels[::7] = IGNORE_INDEX
     labels = labels.cuda()
+    monkeypatch.setattr(ce_rows, "FUSED_ROWS", False)  # the eager chunk (the default takes the kernel on CUDA)
     eager = _loss_and_grads(hidden, weight, labels, chunk_rows=512)
     monkeypatch.setattr(ce_rows, "FUSED_ROWS", True)
     fused = _loss_and_grads(hidden, weight, labels, chunk_rows=512)

@@ -96,8 +96,8 @@ class SequenceParallelCausalLM(nn.Module):
         where CUDA is available (its CUDA test passed on an H200; the Qwen3-4B tile's kernels 0.549 -> 0.41-0.48 s of
         the step at 128k, BENCHMARKS.md); True: wherever the kernels run; False: never.
       fused_ce_rows: the chunked loss's softmax cross-entropy as one Triton kernel a chunk on CUDA, reading the bf16
-        logits twice and writing the gradient over them (ce_rows.py). None (the default): ce_rows.FUSED_ROWS, off
-        until its CUDA test has run; True: wherever the kernel runs; False: never.
+        logits twice and writing the gradient over them (ce_rows.py). None (the default): ce_rows.FUSED_ROWS, on
+        (CUDA only); True: wherever the kernel runs; False: never (the eager chunk).
       attention_head_groups: run the attention kernel over this many groups of kv heads one after another,
         so its backward's own working block exists one group at a time ("auto": the fewest groups that keep
         it under 1 GiB, CUDA only; kernels.attention_head_groups). Exact: the kernel's numbers per head.

@@ -10,9 +10,10 @@ them in place, so no [c, v] fp32 block exists. The same numbers up to fp32 summa
 rounded once to the logits' dtype as the eager path rounds its fp32 gradient; a bias's gradient is summed from that
 rounded gradient (the eager path sums the fp32 one).
 
-FUSED_ROWS: the default of a head's `fused_rows` setting (None), off until its CUDA test has run
-(tests/test_chunked_loss.py; bench_step.py's variant `fused_ce_rows` and bench_loss.py's `ours-fused` time it); a
-head's True or False (ChunkedLossHead, chunked_cross_entropy, SequenceParallelCausalLM's fused_ce_rows) overrides it.
+FUSED_ROWS: the default of a head's `fused_rows` setting (None), on since its CUDA tests passed and the step ran with it
+(2026-12-07, one H100: tests/test_chunked_loss.py's CUDA tests; the Qwen3-4B shape at 128k, BENCHMARKS.md); the CPU
+never takes the kernel outside the tests' interpreter. A head's True or False (ChunkedLossHead, chunked_cross_entropy,
+SequenceParallelCausalLM's fused_ce_rows) overrides it; a bench_step.py variant's `fused_ce_rows=False` is the A/B.
 INTERPRET_ON_CPU: run the kernel in Triton's interpreter on CPU tensors (the tests' switch, on machines without a GPU;
 slow); the CPU never takes it otherwise.
 """
@@ -25,7 +26,7 @@ import torch
 
 from .triton_support import kernel_runs_on, launch_device
 
-FUSED_ROWS = False
+FUSED_ROWS = True
 INTERPRET_ON_CPU = False
 _ROWS_BLOCK = 4096  # vocabulary columns a program reads at a time
 
