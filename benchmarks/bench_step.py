@@ -612,6 +612,8 @@ SUITES = {
     "fa4next": [
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
+        _v("ours-plan-4B@128k-fa4-eager-ce", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4", fused_ce_rows=False)),  # the loss head's eager chunk (the default before 12-07)
         _v("ours-plan-4B@128k-fa4-ce-rows-rms", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True)),
         _v("ours-plan-4B@128k-fa4-ce-rows-rms-bwd80", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady",
