@@ -418,7 +418,8 @@ def test_whole_model_on_the_rows_kernels(monkeypatch):
 @pytest.mark.parametrize("width", [128, 2560])  # Qwen3's per-head q/k norms; the Qwen3-4B layer norms
 def test_cuda_rows_kernels_match_torchs_fused_ones_and_the_class(width, monkeypatch):
     # On a GPU: the rows kernels against torch's fused ones (the same formula: one rounding of bf16 apart, at most one
-    # bf16 step, 2^-7 of the value; 2^-8 failed on an H100 on 2026-12-07 where fp32 sums in another order round apart) and both against the class's own forward and autograd at 1e-2 relative, as above.
+    # bf16 step, 2^-7 of the value; 2^-8 failed on an H100 on 2026-12-07 where fp32 sums in another order round apart)
+    # and both against the class's own forward and autograd at 1e-2 relative, as above.
     from ulysses_lc.levers import rmsnorm, rmsnorm_rows
 
     torch.manual_seed(0)
