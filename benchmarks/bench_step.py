@@ -78,10 +78,11 @@ def setup_ours(model, layout, doc=None, **levers):
         from ulysses_lc.levers import fp32_accumulate
 
         fp32_accumulate._fp32_out_gemm_works = lambda *a: False
-    if levers.pop("triton_rmsnorm", False):  # the norms' rows on rmsnorm_rows.py's Triton kernels (TRITON_ROWS)
+    triton_rmsnorm = levers.pop("triton_rmsnorm", None)  # the norms' rows on rmsnorm_rows.py's Triton kernels
+    if triton_rmsnorm is not None:  # (TRITON_ROWS, the default since 2026-12-07); False is the A/B of torch's kernels
         from ulysses_lc.levers import rmsnorm_rows
 
-        rmsnorm_rows.TRITON_ROWS = True
+        rmsnorm_rows.TRITON_ROWS = bool(triton_rmsnorm)
     wrapper = SequenceParallelCausalLM(model, layout, plan=MemoryPlan(*plan) if plan else None, **levers)
 
     def batch_fn(ids):
@@ -608,12 +609,15 @@ SUITES = {
     # head's fused rows (SequenceParallelCausalLM's fused_ce_rows) with the norms on rmsnorm_rows.py's kernels, and
     # those with FA4's 80 x 128 backward tile (36.31 against 36.69 s on the 4B shape, 2026-12-06, unmeasured on the
     # 0.6B's head group), each shape beside its ALST on the same machine (`--only` splits it over calls: the three 4B
-    # ours, then ALST-4B and the 0.6B ones).
+    # ours, then ALST-4B and the 0.6B ones). Both kernels are the default since 2026-12-07, so the plain
+    # "ours-plan-4B@128k-fa4" has them and "-eager-ce" / "-torch-rms" are the A/Bs of each.
     "fa4next": [
         _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4")),
         _v("ours-plan-4B@128k-fa4-eager-ce", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4", fused_ce_rows=False)),  # the loss head's eager chunk (the default before 12-07)
+        _v("ours-plan-4B@128k-fa4-torch-rms", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4", triton_rmsnorm=False)),  # torch's fused RMSNorm (the default before 12-07, late)
         _v("ours-plan-4B@128k-fa4-ce-rows-rms", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
            levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True)),
         _v("ours-plan-4B@128k-fa4-ce-rows-rms-bwd80", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady",

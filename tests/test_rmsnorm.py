@@ -275,8 +275,10 @@ def test_the_fused_kernels_are_taken_only_on_cuda_for_the_forms_they_compute(mon
 def test_the_fused_cuda_kernels_match_the_class_and_the_chunks(form, monkeypatch):
     # On a GPU: the fused path (the default there) against the class's own forward and autograd, and against the
     # chunks (FUSED_CUDA off). bf16 at 1e-2 relative (one rounding of the input's dtype apart in the forward).
-    from ulysses_lc.levers import rmsnorm
+    # torch's kernels, not the rows kernels that take their place by default (TRITON_ROWS, tested below).
+    from ulysses_lc.levers import rmsnorm, rmsnorm_rows
 
+    monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", False)
     assert rmsnorm._fused_kernels_exist(), "this torch has no fused RMSNorm CUDA kernels"
     cls, kwargs = _norm_classes()[form]
     torch.manual_seed(0)
@@ -353,12 +355,16 @@ def test_the_rows_kernels_compute_torchs_fused_formula(monkeypatch, width, rows,
 def test_the_function_takes_the_rows_kernels_where_torchs_fused_ones_would_be(monkeypatch):
     # TRITON_ROWS on (the interpreter here): RMSNormFunction saves (x, weight, rstd) and returns the kernels' gradients
     # in the input's shape for any layout; Gemma's (1 + weight), a weight of another dtype and rows wider than
-    # MAX_WIDTH keep their paths. Off by default, and never on a CPU without the tests' interpreter switch.
+    # MAX_WIDTH keep their paths. On by default (CUDA), never on a CPU without the tests' interpreter switch.
     pytest.importorskip("triton", reason="the rows kernels are Triton's (installed with the test extra)")
     from ulysses_lc.levers import rmsnorm_rows
 
-    assert rmsnorm_rows.TRITON_ROWS is False and not rmsnorm_rows.takes(torch.ones(2, 4))
+    assert rmsnorm_rows.TRITON_ROWS is True and not rmsnorm_rows.takes(torch.ones(2, 4))  # CPU w/o the interpreter
+    monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", False)
+    assert not rmsnorm_rows.takes(torch.ones(2, 4))  # switched off: never
     monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", True)
+    monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", False)
     assert not rmsnorm_rows.takes(torch.ones(2, 4))  # CPU without the interpreter: never
     monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", True)
     calls = []

@@ -10,8 +10,9 @@ backward. This Function computes the same forward, bit for bit, and saves only t
 (usually bf16, and often saved by its neighbour anyway) plus one fp32 rstd per row; backward recomputes
 the normalised values from them. On CUDA it runs torch's fused RMSNorm kernels for the Llama and gpt-oss
 forms (FUSED_CUDA): the same saved tensors, one pass each way, the forward within one rounding of the
-input's dtype of transformers' (the weight applied in fp32 before the rounding); with rmsnorm_rows.TRITON_ROWS,
-rmsnorm_rows.py's Triton kernels in their place (the same formula, a block of rows a program).
+input's dtype of transformers' (the weight applied in fp32 before the rounding); with rmsnorm_rows.TRITON_ROWS (on
+by default since 2026-12-07), rmsnorm_rows.py's Triton kernels in their place (the same formula, a block of rows a
+program).
 """
 
 from __future__ import annotations
