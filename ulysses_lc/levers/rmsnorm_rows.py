@@ -13,8 +13,9 @@ in fp32, one rounding), so the same forms take them (the Llama and gpt-oss forms
 
 TRITON_ROWS: on (CUDA only) since 2026-12-07, when its CUDA tests passed on one H100 and the 4B step at 128k took
 35.41 s against 35.62 s on torch's kernels in the same call (benchmarks/results/2026-12-07/session26-h100; False gives
-torch's fused kernels back; bench_rmsnorm.py and bench_step.py's lever key `triton_rmsnorm` time it). INTERPRET_ON_CPU: run the kernels in Triton's interpreter on CPU
-tensors (the tests' switch; slow). MAX_WIDTH: wider rows keep torch's kernels (a row must fit one program's block).
+torch's fused kernels back; bench_rmsnorm.py and bench_step.py's lever key `triton_rmsnorm` time it).
+INTERPRET_ON_CPU: run the kernels in Triton's interpreter on CPU tensors (the tests' switch; slow). MAX_WIDTH: wider
+rows keep torch's kernels (a row must fit one program's block).
 """
 
 from __future__ import annotations
