@@ -34,6 +34,12 @@
 #   first): CALL_S=580 SUITE=fa4next ONLY="ours-plan-4B@128k-fa4-eager-ce ours-plan-4B@128k-fa4
 #           ours-plan-4B@128k-fa4-ce-rows-rms alst-4B@128k" CHECK_TESTS="tests/test_rmsnorm.py -k cuda"
 #           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,steps
+#   run on 2026-12-07, later (one H100 again, 485 s + 305 s; BENCHMARKS.md), after which the RMSNorm rows are the
+#   default too. The next call, on an H200 (call 1 first; the plain variant has both kernels, -torch-rms and
+#   -eager-ce are the A/Bs):
+#           CALL_S=580 SUITE=fa4next ONLY="ours-plan-4B@128k-fa4 alst-4B@128k ours-plan-4B@128k-fa4-torch-rms"
+#           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
+#   then on the same warm machine: CALL_S=450 SUITE=fa4next ONLY="ours-plan@256k-fa4-ce-rows-rms alst@256k" ... smoke,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
 OUT=$1; STAGES=${2:-smoke,tests,bench}
