@@ -364,9 +364,6 @@ def test_the_function_takes_the_rows_kernels_where_torchs_fused_ones_would_be(mo
     monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", False)
     assert not rmsnorm_rows.takes(torch.ones(2, 4))  # switched off: never
     monkeypatch.setattr(rmsnorm_rows, "TRITON_ROWS", True)
-    monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", False)
-    assert not rmsnorm_rows.takes(torch.ones(2, 4))  # CPU without the interpreter: never
-    monkeypatch.setattr(rmsnorm_rows, "INTERPRET_ON_CPU", True)
     calls = []
     for name in ("forward", "backward"):
         real = getattr(rmsnorm_rows, name)

@@ -30,16 +30,14 @@
 #           tests/test_swiglu.py -k cuda" bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,kernels,steps
 #   then, on the same warm machine: python3 benchmarks/bench_step.py --suite fa4next --only alst-4B@128k ... (the rest)
 #   run on 2026-12-07 (one H100, 300 s): CALL_S=375 ONLY="ours-plan-4B@128k-fa4-ce-rows-rms alst-4B@128k" and the same
-#   CHECK_TESTS, stages smoke,checks,steps. The fused CE rows are the default since; the next call, on an H200 (call 1
-#   first): CALL_S=580 SUITE=fa4next ONLY="ours-plan-4B@128k-fa4-eager-ce ours-plan-4B@128k-fa4
-#           ours-plan-4B@128k-fa4-ce-rows-rms alst-4B@128k" CHECK_TESTS="tests/test_rmsnorm.py -k cuda"
-#           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,checks,steps
+#   CHECK_TESTS, stages smoke,checks,steps. The fused CE rows are the default since.
 #   run on 2026-12-07, later (one H100 again, 485 s + 305 s; BENCHMARKS.md), after which the RMSNorm rows are the
 #   default too. The next call, on an H200 (call 1 first; the plain variant has both kernels, -torch-rms and
 #   -eager-ce are the A/Bs):
 #           CALL_S=580 SUITE=fa4next ONLY="ours-plan-4B@128k-fa4 alst-4B@128k ours-plan-4B@128k-fa4-torch-rms"
 #           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
-#   then on the same warm machine: CALL_S=450 SUITE=fa4next ONLY="ours-plan@256k-fa4-ce-rows-rms alst@256k" ... smoke,steps
+#   then on the same warm machine:
+#           CALL_S=450 SUITE=fa4next ONLY="ours-plan@256k-fa4-ce-rows-rms alst@256k" bash ... $OUT smoke,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
 OUT=$1; STAGES=${2:-smoke,tests,bench}
