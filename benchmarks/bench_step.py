@@ -83,6 +83,10 @@ def setup_ours(model, layout, doc=None, **levers):
         from ulysses_lc.levers import rmsnorm_rows
 
         rmsnorm_rows.TRITON_ROWS = bool(triton_rmsnorm)
+    if levers.pop("full_mlp_recompute", False):  # the tiled backward recomputes the down projection too (before 12-07)
+        from ulysses_lc.levers import tiled_mlp
+
+        tiled_mlp.SKIP_DOWN_FORWARD = False
     wrapper = SequenceParallelCausalLM(model, layout, plan=MemoryPlan(*plan) if plan else None, **levers)
 
     def batch_fn(ids):
@@ -628,6 +632,20 @@ SUITES = {
            levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True)),
         _v("ours-plan@256k-fa4-ce-rows-rms-bwd80", "ours", 256 * K, 130, warmup="steady", plan=True,
            levers=dict(kernel="fa4", fused_ce_rows=True, triton_rmsnorm=True), fa4_bwd=dict(tile_m=80, dQ_swapAB=True)),
+        _v("alst@256k", "alst", 256 * K, 190, warmup="steady"),
+    ],
+    # issue 43 on an H200, 2026-12-07 (session 27): the default (FA4, fused CE rows, RMSNorm rows, and since this
+    # session the tiled backward without the down projection's forward: tiled_mlp.SKIP_DOWN_FORWARD) beside ALST, the
+    # new lever's A/B (-full-mlp) and FA4's 80 x 128 backward tile; the 0.6B pair in a second call (`--only`).
+    "fa4h200": [
+        _v("ours-plan-4B@128k-fa4", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4")),
+        _v("alst-4B@128k", "alst", 128 * K, 160, shape="qwen3-4b", warmup="steady"),
+        _v("ours-plan-4B@128k-fa4-full-mlp", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4", full_mlp_recompute=True)),
+        _v("ours-plan-4B@128k-fa4-bwd80", "ours", 128 * K, 110, shape="qwen3-4b", warmup="steady", plan=True,
+           levers=dict(kernel="fa4"), fa4_bwd=dict(tile_m=80, dQ_swapAB=True)),
+        _v("ours-plan@256k-fa4", "ours", 256 * K, 130, warmup="steady", plan=True, levers=dict(kernel="fa4")),
         _v("alst@256k", "alst", 256 * K, 190, warmup="steady"),
     ],
     # issue 43: where the FA4 step's time goes (run with BENCH_PROFILE=1: one more step under the profiler each).

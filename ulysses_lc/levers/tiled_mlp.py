@@ -18,6 +18,11 @@ shape: measured on an H200 at 256k it removed only 16 of the ~70 KB per token th
 recompute and backward hold (BENCHMARKS.md). The floor keeps each tile's matmuls large enough to
 run at full rate. Every rank of an SP group holds the same s, so they agree without a collective.
 
+Backward: each tile is recomputed under enable_grad and autograd runs through it. For an MLP of gated-SiLU form
+(Qwen3, Llama, Mistral) whose down projection is a plain nn.Linear, the recompute stops before the down projection's
+forward (`_DownGradOnly`: its gradients from its input and the incoming gradient, as nn.Linear's backward makes them):
+8 of the 9 matmuls a tile's recompute and backward would run (SKIP_DOWN_FORWARD).
+
 ZeRO-3: each TiledMLP makes itself a ZeRO-3 leaf module through DeepSpeed's public `set_z3_leaf_module` (the
 one-module form of `set_z3_leaf_modules`), before `deepspeed.initialize` registers its hooks. What that buys,
 read off DeepSpeed 0.19's `parameter_offload._register_deepspeed_module` and
@@ -40,10 +45,11 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
+from torch.autograd.function import once_differentiable
 
 from ..handle import Handle
 from ..layers import decoder_layers
-from .swiglu import fused_forward, gated_silu_form, runs_on as swiglu_runs_on
+from .swiglu import fused_forward, gated_silu_form, runs_on as swiglu_runs_on, swiglu
 from ..shape import text_config
 
 
@@ -61,6 +67,10 @@ _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError",
 # its attention backward (plan/memory.py). No tile longer than this: 1.5 GB there, and matmuls of 16k rows still run
 # at full rate.
 MAX_TILE_TOKENS = 16384
+# The backward's recompute of an MLP of gated-SiLU form whose down projection is a plain nn.Linear builds the down
+# projection's gradients without computing its output (_DownGradOnly). False recomputes the whole MLP forward, as
+# before 2026-12-07 (an A/B switch for benchmarks and tests).
+SKIP_DOWN_FORWARD = True
 
 
 def auto_num_tiles(seq_len: int, hidden_size: int, intermediate_size: int) -> int:
@@ -84,8 +94,8 @@ class TiledMLPFunction(torch.autograd.Function):
     offload hooks see it), on x's device, and the RNG state the forward started from (host). The
     `params` inputs are passed only so that autograd calls backward when a parameter, but not x,
     needs a gradient; nothing is saved for them.
-    Backward communicates nothing itself: it recomputes each tile under enable_grad and runs
-    autograd through it, which accumulates every parameter's .grad across tiles and writes the
+    Backward communicates nothing itself: it recomputes each tile under enable_grad (with the backward's
+    callable where a pair is given) and runs autograd through it, which accumulates every parameter's .grad across tiles and writes the
     tile's input gradient into a preallocated grad_x_bse. It replays the tiles from the forward's
     RNG state (in a forked RNG, so the caller's stream is untouched): a dropout inside the MLP (a
     LoRA adapter's) draws the same masks as in the forward, as torch's checkpoint does for layers.
@@ -97,9 +107,11 @@ class TiledMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, mlp: Callable, x_bse: torch.Tensor, num_tiles: int, router, mask_bs, deferred,
+    def forward(ctx, mlp, x_bse: torch.Tensor, num_tiles: int, router, mask_bs, deferred,
                 *params: torch.Tensor):
-        ctx.mlp = mlp
+        # mlp: a callable, or (the forward's, the backward's recompute) where the backward's may skip work whose
+        # output its gradient does not need (TiledMLP: the down projection's forward, `_DownGradOnly`).
+        mlp, ctx.mlp = mlp if isinstance(mlp, tuple) else (mlp, mlp)
         ctx.num_tiles = num_tiles
         ctx.params = params
         ctx.router, ctx.mask_bs = router, mask_bs  # attributes, not saved tensors: a recompute passes no mask
@@ -142,6 +154,41 @@ class TiledMLPFunction(torch.autograd.Function):
                 if need_grad_x:
                     grad_x_bse[:, start:end] = x_bce.grad if x_bce.grad is not None else 0
         return (None, grad_x_bse, None, None, None, None) + (None,) * len(ctx.params)
+
+
+class _DownGradOnly(torch.autograd.Function):
+    """The down projection in a tile's backward recompute: y = p W^T + b's gradients without computing y.
+
+    Why: the tiled backward recomputes a tile under enable_grad only to run autograd through it; the down
+    projection's output is never read there (its gradient comes from outside), yet computing it is 2 c i e FLOPs, a
+    ninth of the tile's backward matmuls: 6.5 TFLOP a layer on the Qwen3-4B shape at 128k, about 0.4 s of that step
+    over 36 layers. The forward returns an uninitialised [.., e] (never read: the only use of the recompute's output
+    is autograd.backward from the incoming gradient); the backward is nn.Linear's: dp = dy W, dW = dy^T p, db = the
+    sum of dy, so the gradients and their accumulation into .grad (hooks, ZeRO-3's flags) are autograd's own.
+    """
+
+    @staticmethod
+    def forward(ctx, p, weight, bias):
+        ctx.save_for_backward(p, weight)
+        ctx.has_bias = bias is not None
+        return p.new_empty((*p.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        p, weight = ctx.saved_tensors
+        dy2, p2 = dy.reshape(-1, dy.shape[-1]), p.reshape(-1, p.shape[-1])
+        dp = torch.mm(dy2, weight).view(p.shape) if ctx.needs_input_grad[0] else None
+        dw = torch.mm(dy2.t(), p2) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dp, dw, db
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """nn.Linear's own forward with no module hooks: `_DownGradOnly` may stand in for it (a LoRA or quantised
+    layer, or one whose hooks act on its output, keeps its own forward)."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and not module._forward_hooks and not module._forward_pre_hooks)
 
 
 def run_tiles(mlp: Callable, x_bse: torch.Tensor, num_tiles: int, router=None, mask_bs=None, out_bse=None):
@@ -196,8 +243,10 @@ class TiledMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.num_tiles = num_tiles
         self.router = router  # a RouterLoss whose routers run in this MLP (router_loss.py), or None
-        # Its tiles' silu(gate) * up as swiglu.py's kernels, where its own forward is that form (checked here).
-        self.fused_swiglu = bool(fused_swiglu) and gated_silu_form(mlp)
+        # Its forward is down(silu(gate(x)) * up(x)) (checked once here, on a stand-in): its tiles' silu(gate) * up
+        # may run as swiglu.py's kernels, and its backward's recompute may skip the down projection's forward.
+        self.gated_silu = gated_silu_form(mlp)
+        self.fused_swiglu = bool(fused_swiglu) and self.gated_silu
         # A checkpoint recompute stopped right after this MLP (_STOP_RECOMPUTATION): its later calls defer the tiles.
         self.recompute_stops_here = False
         self._output = None  # (inputs' key, y dtype, y's trailing shape) of the last computed call
@@ -218,6 +267,18 @@ class TiledMLP(nn.Module):
         params = [p for p in self.mlp.parameters() if p.requires_grad]
         returns_tuple = []
 
+        def product(x_bce):  # silu(gate(x)) * up(x), of an MLP of gated_silu form
+            inner = self.mlp
+            if self.fused_swiglu and swiglu_runs_on(x_bce.device):
+                return swiglu(inner.gate_proj(x_bce), inner.up_proj(x_bce))
+            return inner.act_fn(inner.gate_proj(x_bce)) * inner.up_proj(x_bce)
+
+        def recompute(x_bce):  # the backward's: the down projection's gradients without its output (_DownGradOnly)
+            p_bci, down = product(x_bce), self.mlp.down_proj
+            if p_bci.dtype != down.weight.dtype:  # autocast, or weights kept in another dtype: nn.Linear's own path
+                return down(p_bci)
+            return _DownGradOnly.apply(p_bci, down.weight, down.bias)
+
         def mlp(x_bce):
             if self.fused_swiglu and swiglu_runs_on(x_bce.device):
                 return fused_forward(self.mlp, x_bce)
@@ -229,9 +290,11 @@ class TiledMLP(nn.Module):
                 return y[0]
             return y
 
+        skip_down = SKIP_DOWN_FORWARD and self.gated_silu and self.router is None and _plain_linear(self.mlp.down_proj)
+        tiles = (mlp, recompute) if skip_down else mlp  # TiledMLPFunction's: the forward's, the backward's
         if self.router is not None:
             outer = self.router.active  # the forward's tally; None in a checkpoint's recompute
-            y_bse, *sums = TiledMLPFunction.apply(mlp, x_bse, num_tiles, self.router,
+            y_bse, *sums = TiledMLPFunction.apply(tiles, x_bse, num_tiles, self.router,
                                                   None if outer is None else outer.mask_bs, None, *params)
             if outer is not None:
                 outer.add(*sums)
@@ -241,7 +304,7 @@ class TiledMLP(nn.Module):
         known = self._output
         deferred = (known[1], known[2]) if self.recompute_stops_here and known and known[0] == key else None
         try:
-            y_bse = TiledMLPFunction.apply(mlp, x_bse, num_tiles, None, None, deferred, *params)
+            y_bse = TiledMLPFunction.apply(tiles, x_bse, num_tiles, None, None, deferred, *params)
         except Exception as e:
             if _STOP_RECOMPUTATION is not None and isinstance(e, _STOP_RECOMPUTATION):
                 self.recompute_stops_here = True  # the recompute needs nothing of this call past its input
@@ -333,4 +396,4 @@ def install_tiled_mlp(
     return Handle(undo, "tiled MLP")
 
 
-__all__ = ["TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp", "plain_parameter_name"]
+__all__ = ["SKIP_DOWN_FORWARD", "TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp", "plain_parameter_name"]
