@@ -95,10 +95,10 @@ class TiledMLPFunction(torch.autograd.Function):
     `params` inputs are passed only so that autograd calls backward when a parameter, but not x,
     needs a gradient; nothing is saved for them.
     Backward communicates nothing itself: it recomputes each tile under enable_grad (with the backward's
-    callable where a pair is given) and runs autograd through it, which accumulates every parameter's .grad across tiles and writes the
-    tile's input gradient into a preallocated grad_x_bse. It replays the tiles from the forward's
-    RNG state (in a forked RNG, so the caller's stream is untouched): a dropout inside the MLP (a
-    LoRA adapter's) draws the same masks as in the forward, as torch's checkpoint does for layers.
+    callable where a pair is given) and runs autograd through it, which accumulates every parameter's .grad
+    across tiles and writes the tile's input gradient into a preallocated grad_x_bse. It replays the tiles
+    from the forward's RNG state (in a forked RNG, so the caller's stream is untouched): a dropout inside the
+    MLP (a LoRA adapter's) draws the same masks as in the forward, as torch's checkpoint does for layers.
 
     With `router` (a RouterLoss, objectives/router_loss.py; mask_bs the rows it counts, kept as an attribute, on
     its device) each tile runs inside a tally of its own and the outputs also carry the layer's router sums
