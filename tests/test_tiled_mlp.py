@@ -226,7 +226,7 @@ def test_a_deferred_call_is_laid_out_by_what_sets_the_output_dtype():
 
 
 def _mlp_backward(module, x, dy, skip_down, monkeypatch):
-    """(x's gradient, every parameter's gradient, the backward's FLOPs) of one TiledMLP call."""
+    """(the output, x's gradient, every parameter's gradient, the backward's FLOPs) of one TiledMLP call."""
     from torch.utils.flop_counter import FlopCounterMode
 
     monkeypatch.setattr(tiled_mlp, "SKIP_DOWN_FORWARD", skip_down)

@@ -126,9 +126,14 @@ def gated_silu_form(mlp: nn.Module) -> bool:
         return False
 
 
+def fused_product(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate_proj(x)) * up_proj(x) of `mlp` (of `gated_silu_form`) as `swiglu`: its down projection's input."""
+    return swiglu(mlp.gate_proj(x), mlp.up_proj(x))
+
+
 def fused_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`mlp`'s forward (of `gated_silu_form`) with its SiLU and product as `swiglu`."""
-    return mlp.down_proj(swiglu(mlp.gate_proj(x), mlp.up_proj(x)))
+    return mlp.down_proj(fused_product(mlp, x))
 
 
 def wanted(setting: bool | None) -> bool:
@@ -136,4 +141,4 @@ def wanted(setting: bool | None) -> bool:
     return wanted_where_cuda(setting)
 
 
-__all__ = ["FusedSwiGLU", "fused_forward", "gated_silu_form", "runs_on", "swiglu", "wanted"]
+__all__ = ["FusedSwiGLU", "fused_forward", "fused_product", "gated_silu_form", "runs_on", "swiglu", "wanted"]

@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from ..handle import Handle
 from ..layers import decoder_layers
-from .swiglu import fused_forward, gated_silu_form, runs_on as swiglu_runs_on, swiglu
+from .swiglu import fused_forward, fused_product, gated_silu_form, runs_on as swiglu_runs_on
 from ..shape import text_config
 
 
@@ -161,10 +161,11 @@ class _DownGradOnly(torch.autograd.Function):
 
     Why: the tiled backward recomputes a tile under enable_grad only to run autograd through it; the down
     projection's output is never read there (its gradient comes from outside), yet computing it is 2 c i e FLOPs, a
-    ninth of the tile's backward matmuls: 6.5 TFLOP a layer on the Qwen3-4B shape at 128k, about 0.4 s of that step
-    over 36 layers. The forward returns an uninitialised [.., e] (never read: the only use of the recompute's output
-    is autograd.backward from the incoming gradient); the backward is nn.Linear's: dp = dy W, dW = dy^T p, db = the
-    sum of dy, so the gradients and their accumulation into .grad (hooks, ZeRO-3's flags) are autograd's own.
+    ninth of the tile's backward matmuls: 6.5 TFLOP a layer on the Qwen3-4B shape at 128k; 0.59 s of that step over
+    36 layers on an H100 (BENCHMARKS.md). The forward returns an uninitialised [.., e] (never read: the only use of
+    the recompute's output is autograd.backward from the incoming gradient); the backward is nn.Linear's: dp = dy W,
+    dW = dy^T p, db = the sum of dy, so the gradients and their accumulation into .grad (hooks, ZeRO-3's flags) are
+    autograd's own.
     """
 
     @staticmethod
@@ -266,21 +267,20 @@ class TiledMLP(nn.Module):
             return self.mlp(x_bse)
         params = [p for p in self.mlp.parameters() if p.requires_grad]
         returns_tuple = []
-
-        def product(x_bce):  # silu(gate(x)) * up(x), of an MLP of gated_silu form
-            inner = self.mlp
-            if self.fused_swiglu and swiglu_runs_on(x_bce.device):
-                return swiglu(inner.gate_proj(x_bce), inner.up_proj(x_bce))
-            return inner.act_fn(inner.gate_proj(x_bce)) * inner.up_proj(x_bce)
+        fused = self.fused_swiglu and swiglu_runs_on(x_bse.device)  # every tile is on x's device
 
         def recompute(x_bce):  # the backward's: the down projection's gradients without its output (_DownGradOnly)
-            p_bci, down = product(x_bce), self.mlp.down_proj
+            inner, down = self.mlp, self.mlp.down_proj
+            if fused:
+                p_bci = fused_product(inner, x_bce)
+            else:  # the MLP's own ops (its forward is this form: gated_silu_form)
+                p_bci = inner.act_fn(inner.gate_proj(x_bce)) * inner.up_proj(x_bce)
             if p_bci.dtype != down.weight.dtype:  # autocast, or weights kept in another dtype: nn.Linear's own path
                 return down(p_bci)
             return _DownGradOnly.apply(p_bci, down.weight, down.bias)
 
         def mlp(x_bce):
-            if self.fused_swiglu and swiglu_runs_on(x_bce.device):
+            if fused:
                 return fused_forward(self.mlp, x_bce)
             # gpt-oss's MoE block returns (hidden, router scores); its decoder layer drops the scores (the router
             # loss reads the router's own output, through the RouterLoss hooks).
@@ -396,4 +396,5 @@ def install_tiled_mlp(
     return Handle(undo, "tiled MLP")
 
 
-__all__ = ["SKIP_DOWN_FORWARD", "TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp", "plain_parameter_name"]
+__all__ = ["SKIP_DOWN_FORWARD", "TiledMLP", "TiledMLPFunction", "auto_num_tiles", "install_tiled_mlp",
+           "plain_parameter_name"]
