@@ -223,6 +223,7 @@ def test_train_from_local_folder(tmp_path, tiny_run):
     assert abs(losses[0] - tiny[0]) <= 1e-5 * tiny[0]
 
 
+@pytest.mark.cpu_adam
 def test_optimizer_offload_config(tmp_path):
     # The shipped zero3_offload_optimizer config: DeepSpeed's CPU Adam (built on first use) takes --lr through
     # the "auto" optimizer block and follows the same trajectory as torch AdamW under zero3.json.

@@ -95,6 +95,7 @@ def reference_step(grads, lr, weight_decay, clip=1.0):
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
+@pytest.mark.cpu_adam
 def test_one_step_decays_as_the_trainer(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
