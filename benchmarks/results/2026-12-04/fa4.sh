@@ -42,6 +42,9 @@
 #           CALL_S=580 SUITE=fa4h200 ONLY="ours-plan-4B@128k-fa4 alst-4B@128k ours-plan-4B@128k-fa4-full-mlp
 #           ours-plan-4B@128k-fa4-bwd80" CHECK_TESTS="tests/test_tiled_mlp.py -k cuda" bash ... $OUT smoke,checks,steps
 #   then on the same warm machine: CALL_S=450 SUITE=fa4h200 ONLY="ours-plan@256k-fa4 alst@256k" bash ... $OUT smoke,steps
+#   not run (2026-12-07, later: no H200 came); the -full-mlp A/B is done (one H100), so the next H200 call is, ~400 s:
+#           CALL_S=470 SUITE=fa4h200 ONLY="ours-plan-4B@128k-fa4 alst-4B@128k ours-plan-4B@128k-fa4-bwd80"
+#           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
 OUT=$1; STAGES=${2:-smoke,tests,bench}
