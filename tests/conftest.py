@@ -1,13 +1,13 @@
 """Suite-wide: DeepSpeed's CPU Adam op built in the background while the suite runs.
 
 The shipped zero3_offload_optimizer config steps with DeepSpeed's CPU Adam, a C++ op DeepSpeed JIT-builds on first
-use (into torch's extension folder, ~/.cache/torch_extensions by default): about 90 s of compiling on a fresh 2-core
-machine, which the first test to use it (marked `cpu_adam`) waited out in full. When such a test is collected, a
-process at the lowest priority builds the op as the suite starts, in the CPU time the suite leaves idle (about a
-third on 2 cores: its ranks wait on each other and on process starts); the marked tests then find it built, or wait
-on torch's build lock as they would on their own build. The build is the one a run makes (the same builder, sources
-and flags), so nothing else is left on the machine. Its output goes to the pytest cache folder; a failed build
-fails nothing here: the marked tests build again and fail with the compiler's message.
+use (into torch's extension folder, ~/.cache/torch_extensions by default): about 50 s of compiling on 2 idle cores
+and 90 s on a loaded pair, which the first test to use it (marked `cpu_adam`) waited out in full. When such a test
+is collected, a process at the lowest priority builds the op as the suite starts, in the CPU time the suite leaves
+idle (a quarter to a third on 2 cores by vmstat: its ranks wait on each other and on process starts); the marked
+tests then find it built, or wait on torch's build lock as they would on their own build. The build is the one a run
+makes (the same builder, sources and flags), so nothing else is left on the machine. Its output goes to the pytest
+cache folder; a failed build fails nothing here: the marked tests build again and fail with the compiler's message.
 """
 
 import os
