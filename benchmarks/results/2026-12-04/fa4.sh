@@ -45,6 +45,10 @@
 #   not run (2026-12-07, later: no H200 came); the -full-mlp A/B is done (one H100), so the next H200 call is, ~400 s:
 #           CALL_S=470 SUITE=fa4h200 ONLY="ours-plan-4B@128k-fa4 alst-4B@128k ours-plan-4B@128k-fa4-bwd80"
 #           bash benchmarks/results/2026-12-04/fa4.sh $OUT smoke,steps
+#   session 29 (2026-12-07, one H100): today's 4B step profiled (BENCHMARKS.md; CALL_S=235 was too short on a fresh
+#   machine, killed inside the variant; 340 gave 210 s on the warm one):
+#           BENCH_PROFILE=1 CALL_S=340 SUITE=fa4profile ONLY="ours-plan-4B@128k-fa4" bash ... $OUT smoke,steps
+#   the H200 call above is still the next one.
 # Records: fa4_kernels.json / .log, fa4_steps.json / .txt / .log, fa4_tests_call1.log / call2.log.
 set -u
 OUT=$1; STAGES=${2:-smoke,tests,bench}
