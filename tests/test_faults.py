@@ -1142,3 +1142,42 @@ def test_under_deepspeeds_launcher_the_cause_follows_its_kill_lines(tmp_path):
     cause = "error (rank 0 on node 0, host "
     assert lines[-2].startswith(cause) and "RuntimeError: injected failure on rank 0 at step 3" in lines[-2], lines[-8:]
     assert "Killing subprocess" in lines[-3] and lines[-1].endswith("exits with return code = 1"), lines[-8:]
+
+
+def test_the_rank_launch_py_ends_last_waits_while_the_ranks_it_ends_first_exit(monkeypatch):
+    """Ctrl-C under DeepSpeed's launcher on a loaded machine: launch.py's SIGTERM to rank 0 waited 14 s for its exit,
+    the last rank's fixed 5 s wait for its own SIGTERM ran out first, and launch.py's lines ended the job. The last rank
+    waits while launch.py and a rank it ends first live, then LAUNCH_PY_S (its poll); at most LAUNCH_PY_LIMIT_S."""
+    import ulysses_lc.train.job_table as job_table
+    from ulysses_lc.train.cli import LAUNCH_PY_LIMIT_S, LAUNCH_PY_S
+    from ulysses_lc.train.job_table import RankTable
+
+    table = RankTable(("a", "a"), (0, 0), (11, 12), 1)  # this rank is 1 (pid 12); launch.py is pid 7
+    now, living, exits, ended = [1000.0], {}, {}, []
+
+    def sleep(seconds):
+        now[0] += seconds
+        for pid, at in exits.items():
+            living[pid] = now[0] < at
+        if now[0] >= signal_at:
+            ended.append(15)
+
+    monkeypatch.setattr(job_table, "alive", lambda pid: living[pid])
+    monkeypatch.setattr(job_table.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(job_table.time, "sleep", sleep)
+
+    def waited(rank_0_exits, launch_py_exits=math.inf, signalled=math.inf):
+        nonlocal signal_at
+        start, signal_at = now[0], now[0] + signalled
+        exits.update({11: start + rank_0_exits, 7: start + launch_py_exits})
+        living.update({7: True, 11: True, 12: True})
+        ended.clear()
+        job_table.await_launch_py(table, [7], ended, LAUNCH_PY_S, LAUNCH_PY_LIMIT_S)
+        return now[0] - start
+
+    signal_at = math.inf
+    assert waited(14) == pytest.approx(14 + LAUNCH_PY_S, abs=0.2)  # the slow exit, then launch.py's poll
+    assert waited(14, signalled=15) == pytest.approx(15, abs=0.2)  # its SIGTERM: at once
+    assert waited(14, launch_py_exits=3) == pytest.approx(3, abs=0.2)  # launch.py gone: no SIGTERM will come
+    assert waited(math.inf) == pytest.approx(LAUNCH_PY_LIMIT_S, abs=0.2)  # a rank that never exits
+    assert LAUNCH_PY_LIMIT_S >= 60

@@ -31,13 +31,15 @@ import traceback
 from ..parallel.distributed import destroy_distributed
 from . import job_watch
 from .console import quiet_warnings
-from .job_table import record_for_launcher
+from .job_table import await_launch_py, record_for_launcher
 from .job_watch import GRACE_S
 from .stop import Stopped
 
 QUIET_LOGGERS = ("ulysses_lc.mixers.attention", "ulysses_lc.mixers.explicit_attention", "ulysses_lc.levers.yarn")
 LOST_PEER_S = 20.0
 LAUNCH_PY_S = 5.0  # DeepSpeed's launch.py polls its ranks once a second, then ends the live ones in turn
+# The most a stopped rank that launch.py ends last waits for it, while the ranks it ends first exit (job_watch).
+LAUNCH_PY_LIMIT_S = 120.0
 
 
 def main(argv=None) -> None:
@@ -96,9 +98,7 @@ def main(argv=None) -> None:
             _say(str(e))
         destroy_distributed()
         if last:  # said again after launch.py's "Killing subprocess" lines, before its exit code's
-            deadline = time.monotonic() + LAUNCH_PY_S
-            while not ended and time.monotonic() < deadline:
-                time.sleep(0.05)
+            await_launch_py(*last, ended, LAUNCH_PY_S, LAUNCH_PY_LIMIT_S)
             _say(str(e))
         sys.exit(e.code)
     except BaseException as e:  # noqa: BLE001 - every failure ends here, reported once

@@ -183,3 +183,20 @@ def ends_last(table: RankTable, launchers: list[int] | None) -> bool:
         return False
     others = [r for r in table.local() if r != table.rank]  # alone, it has no line to follow: it ends first
     return ours and bool(others) and not any(alive(table.pids[r]) for r in others if r > table.rank)
+
+
+def await_launch_py(table: RankTable, launchers: list[int], ended: list, settle_s: float, limit_s: float) -> None:
+    """In the rank that DeepSpeed's launch.py ends last (ends_last), until its SIGTERM comes (`ended` gets an item then).
+    launch.py ends the node's other ranks first, one by one, each waited for, and a rank's exit can take long (a large
+    job's pinned host buffers and CUDA context; seconds on a loaded CPU): so this waits while launch.py and any of them
+    live, then `settle_s` more (launch.py polls its ranks once a second), and never more than `limit_s` in all."""
+    others = [r for r in table.local() if r != table.rank]
+    start, settled = time.monotonic(), None  # settled: when the other ranks were all seen gone
+    while not ended and time.monotonic() - start < limit_s and launchers and alive(launchers[0]):
+        if any(alive(table.pids[r]) for r in others):
+            settled = None
+        elif settled is None:
+            settled = time.monotonic()
+        elif time.monotonic() - settled >= settle_s:
+            return
+        time.sleep(0.05)

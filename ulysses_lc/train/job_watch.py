@@ -109,15 +109,15 @@ def speaks_for_node() -> bool:
     return _current.leader if _current is not None else int(os.environ.get("RANK", "0")) == 0
 
 
-def ends_last_rank() -> bool:
-    """Whether DeepSpeed's launch.py ends this rank last, so that a line it prints then follows launch.py's."""
-    return _current is not None and ends_last(_current.table, _current._chain)
+def ends_last_rank() -> tuple[RankTable, list[int]] | None:
+    """Where DeepSpeed's launch.py ends this rank last (a line it prints then follows launch.py's), the arguments of
+    job_table.await_launch_py: this rank's table and launchers. None otherwise."""
+    return (_current.table, _current._chain) if _current and ends_last(_current.table, _current._chain) else None
 
 
 def where(rank: int) -> str:
     """How a report names this rank: with its node and host where the job spans nodes."""
-    multinode = _current is not None and _current.table.num_nodes > 1
-    return _current.table.where(rank) if multinode else f"rank {rank}"
+    return _current.table.where(rank) if _current is not None and _current.table.num_nodes > 1 else f"rank {rank}"
 
 
 def await_cause(timeout: float) -> str:
