@@ -38,7 +38,7 @@ from .stop import Stopped
 QUIET_LOGGERS = ("ulysses_lc.mixers.attention", "ulysses_lc.mixers.explicit_attention", "ulysses_lc.levers.yarn")
 LOST_PEER_S = 20.0
 LAUNCH_PY_S = 5.0  # DeepSpeed's launch.py polls its ranks once a second, then ends the live ones in turn
-# The most a stopped rank that launch.py ends last waits for it, while the ranks it ends first exit (job_watch).
+# The most a stopped rank that launch.py ends last waits for it, while the ranks it ends first exit (job_table).
 LAUNCH_PY_LIMIT_S = 120.0
 
 
