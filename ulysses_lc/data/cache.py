@@ -161,7 +161,9 @@ def _initialized_dist():
 def wait_for(paths: CachePaths, timeout_s: float, poll_s: float) -> None:
     # Poll the file rather than sit in a collective: tokenizing a large source can outlast the process
     # group's timeout (30 min under DeepSpeed), which would end in a watchdog error instead of this message.
-    started = time.time()
+    # The first looks come soon (a small source is tokenized in well under a second), then one every poll_s at most,
+    # so that many ranks waiting on a shared file system do not load its metadata server.
+    started, delay = time.time(), min(0.05, poll_s)
     while not cache_complete(paths):
         # An error marker from an earlier, unrelated failure is older than this wait; ignore it.
         if paths.error.exists() and paths.error.stat().st_mtime >= started - 300:
@@ -171,7 +173,8 @@ def wait_for(paths: CachePaths, timeout_s: float, poll_s: float) -> None:
                 f"no complete token cache at {paths.meta} after {timeout_s:.0f} s; is local rank 0 building "
                 "into the same cache_dir (on the same filesystem)?"
             )
-        time.sleep(poll_s)
+        time.sleep(delay)
+        delay = min(2 * delay, poll_s)
     dist = _initialized_dist()
     if dist is not None:
         dist.barrier()  # pairs with local rank 0's barrier after a successful build

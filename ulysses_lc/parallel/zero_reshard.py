@@ -170,11 +170,13 @@ def load_resharded(engine, tag_dir: Path, load_module_strict: bool = True, poll_
             failed.write_text(str(e))
             raise
     else:
+        delay = min(0.05, poll_s)  # soon at first (a small model converts in a second), then every poll_s at most
         while not final.is_dir():
             if failed.is_file():
                 raise RuntimeError(f"rank 0 could not convert {tag_dir} (its report says why): "
                                    f"{failed.read_text().splitlines()[0]}")
-            time.sleep(poll_s)
+            time.sleep(delay)
+            delay = min(2 * delay, poll_s)
     _, client = engine.load_checkpoint(str(tag_dir), tag=UNIVERSAL, load_module_strict=load_module_strict)
     if client is None:
         raise ValueError(f"DeepSpeed read no checkpoint from {final}; delete that folder (a conversion is "

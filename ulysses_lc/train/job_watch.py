@@ -61,8 +61,7 @@ def start(failure: BaseException | None, *, node_timeout_s: float, stop_grace_s:
     """Agree on every rank's checks and arm the watcher (collective; call on every rank once the group is up).
 
     failure: this rank's preflight exception, or None; when any rank has one, every rank raises (preflight.
-    raise_agreed). node_timeout_s, stop_grace_s: TrainConfig's.
-    """
+    raise_agreed). node_timeout_s, stop_grace_s: TrainConfig's."""
     from .preflight import outcome, raise_agreed
 
     global _current
@@ -163,6 +162,7 @@ class JobWatch:
             return
         self._clean = clean
         self._halt.set()
+        self.signals.wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S)
         if self.store is not None:  # one process: no peer to report to, so a failing run keeps no hook either
@@ -378,7 +378,7 @@ class JobWatch:
         if report is not None and (not speak or report.rank not in (None, t.rank) and not agent_hosts_store()):
             # The node's speaker, or a dead peer, is seen to end first by the launcher naming it; a SIGTERM of
             # DeepSpeed's launch.py meanwhile, to the last rank it ends, has the line printed again after its own.
-            if not ended_by and self.signals.wait(LINGER_S, self._halt) and ends_last(t, self._chain):
+            if not ended_by and self.signals.wait(LINGER_S, self._halt, wakes=False) and ends_last(t, self._chain):
                 print(report.line(), file=sys.stderr, flush=True)
         os._exit(code)
 

@@ -146,12 +146,24 @@ class SignalHook:
             os.close(fd)
         self._previous = self._wake = None
 
-    def wait(self, timeout: float, halt: threading.Event) -> int | None:
-        """Wait `timeout`, or less where a signal arrives first: the SIGTERM or SIGINT that came, else None."""
+    def wake(self) -> None:
+        """End the watcher's wait() now (a zero byte, which no signal writes): a run's end then takes no poll's wait."""
         try:
-            ready, _, _ = select.select([self._wake[0]], [], [], timeout)
-            got = os.read(self._wake[0], 512) if ready else b""
-            return next((s for s in got if s in SIGNALS), None)  # the first to come: Ctrl-C, then a launcher's SIGTERM
+            os.write(self._wake[1], b"\0")
+        except (OSError, TypeError):  # not armed (wait() then waits on `halt`), or the pipe is full: a wake is due
+            pass
+
+    def wait(self, timeout: float, halt: threading.Event, *, wakes: bool = True) -> int | None:
+        """Wait `timeout`, or less where a signal arrives first: the SIGTERM or SIGINT that came, else None. wake()
+        ends the wait too, unless `wakes` is False (the linger before a quiet exit waits for a signal alone)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                ready, _, _ = select.select([self._wake[0]], [], [], max(deadline - time.monotonic(), 0.0))
+                got = os.read(self._wake[0], 512) if ready else b""
+                signum = next((s for s in got if s in SIGNALS), None)  # the first to come: Ctrl-C, then a SIGTERM
+                if signum or not ready or wakes:
+                    return signum
         except (OSError, ValueError, TypeError):  # no pipe (not armed on the main thread), or closed by disarm()
-            halt.wait(timeout)
+            halt.wait(max(deadline - time.monotonic(), 0.0))
             return None
