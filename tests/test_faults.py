@@ -1181,3 +1181,31 @@ def test_the_rank_launch_py_ends_last_waits_while_the_ranks_it_ends_first_exit(m
     assert waited(14, launch_py_exits=3) == pytest.approx(3, abs=0.2)  # launch.py gone: no SIGTERM will come
     assert waited(math.inf) == pytest.approx(LAUNCH_PY_LIMIT_S, abs=0.2)  # a rank that never exits
     assert LAUNCH_PY_LIMIT_S >= 60
+
+
+def test_a_runs_end_wakes_the_watcher_at_once_and_a_linger_waits_for_a_signal_alone():
+    """JobWatch.stop wakes the watcher's wait (SignalHook.wake) instead of leaving it to its next poll, which every
+    rank paid at the end of every run (up to job_watch.POLL_S, 1 s); the linger before a quiet exit (wakes=False) is
+    not cut short by a wake, only by a signal."""
+    import signal
+    import threading
+    import time
+
+    from ulysses_lc.train.stop import SignalHook
+
+    hook, halt, got = SignalHook(), threading.Event(), []
+    hook.arm(got.append)
+    try:
+        waiter = threading.Thread(target=lambda: got.append(hook.wait(60.0, halt)))
+        waiter.start()
+        hook.wake()
+        waiter.join(30.0)
+        assert not waiter.is_alive() and got == [None]  # woken, well before its 60 s
+        hook.wake()
+        start = time.monotonic()
+        assert hook.wait(0.5, halt, wakes=False) is None and time.monotonic() - start >= 0.45
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert hook.wait(60.0, halt, wakes=False) == signal.SIGTERM
+        assert got == [None, signal.SIGTERM]  # the handler saw it too
+    finally:
+        hook.disarm()
