@@ -41,6 +41,7 @@ from .checkpoint_files import agree_on_write, write_failure
 from .console import (RunLogger, data_line, first_step_line, kernel_named, layout_line, pairs_line, progress_bars_off,
                       startup_block, summary, unmade_on_failure)
 from .divergence import StepGuard
+from .engine_start import deepspeed_initialize
 from .estimate import (check_node_memory, estimate_memory, job_for, node_beside_bytes, node_line, plan_reservations,
                        run_limits, sized_params)
 from .evaluation import RunEvaluation
@@ -105,8 +106,6 @@ def train(cfg: TrainConfig, on_step=None) -> list[dict]:
 
 
 def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopRequest, cache_vars: dict) -> list[dict]:
-    import deepspeed
-
     beside = node_beside_bytes()  # what the node holds beside the job, before it loads anything
     threads = share_cpu_threads()  # each rank its share of the node's cores, before any heavy work
     layout = ParallelLayout.build(checked.sp_size, placement=run.parallel.placement)
@@ -176,7 +175,7 @@ def _train(run: RunSettings, checked, on_step, held: ExitStack, stop: StopReques
     if rank0:
         logger.info("starting DeepSpeed's ZeRO-3 engine%s", " and the DPO reference model"
                     if dpo and run.objective.reference == "copy" else "")
-    engine, _, _, scheduler = deepspeed.initialize(
+    engine, _, _, scheduler = deepspeed_initialize(
         model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step)),
         # Saved on another world size: the engine reads the ZeRO-3 state through DeepSpeed's universal checkpoint.

@@ -65,7 +65,7 @@ def load_reference(run, checked, device, layout: ParallelLayout):
     adapters-off and the precomputed reference."""
     if run.objective.reference != "copy":
         return None
-    import deepspeed
+    from .engine_start import deepspeed_initialize
 
     model = run.model
     hf_model = load_model(model.name, checked.model_config, model.dtype, model.seed, device, checked.ds_config)
@@ -75,7 +75,7 @@ def load_reference(run, checked, device, layout: ParallelLayout):
     config = {k: v for k, v in checked.ds_config.items() if k not in ("optimizer", "scheduler")}
     config["zero_optimization"] = {k: v for k, v in config.get("zero_optimization", {}).items()
                                    if k != "offload_optimizer"}
-    engine, *_ = deepspeed.initialize(model=wrapper, config=config, mpu=layout.mpu)
+    engine, *_ = deepspeed_initialize(model=wrapper, config=config, mpu=layout.mpu)
     engine.eval()
     return engine
 
